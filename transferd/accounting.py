@@ -1,0 +1,35 @@
+"""Counters every daemon keeps: wire bytes by kind, de-dup savings, refusals by reason."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .layout import KINDS
+
+
+@dataclass(slots=True)
+class Accounting:
+    bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    frames: int = 0
+    state_bytes_skipped: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
+    rooms: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.frames += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "bytes": dict(self.bytes),
+            "frames": self.frames,
+            "state_bytes_skipped": self.state_bytes_skipped,
+            "refused": dict(self.refused),
+            "dropped": dict(self.dropped),
+            "rooms": dict(self.rooms),
+            "failures": dict(self.failures),
+        }

@@ -1,0 +1,136 @@
+"""What both agents share: the asyncio (uvloop) lifecycle, and running in a thread in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Awaitable, Callable, TypeVar
+
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a core dependency; keep running without it
+        return asyncio.new_event_loop()
+
+
+class AgentBase:
+    """``serve()`` runs until ``stop()``; subclasses implement ``_start()``/``_close()``."""
+
+    name = "agent"
+
+    def __init__(self) -> None:
+        self.ctx: zmq.asyncio.Context | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.started = threading.Event()
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def _close(self) -> None:
+        raise NotImplementedError
+
+    def spawn(self, coro: Awaitable[Any], what: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"{self.name}:{what}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("%s: task %s crashed: %r", self.name, task.get_name(), exc, exc_info=exc)
+            self.stop()
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        self.ctx = zmq.asyncio.Context()
+        try:
+            await self._start()
+            self.started.set()
+            await self._stop_event.wait()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._close()
+            self.ctx.destroy(linger=0)
+            self.started.set()
+
+    def stop(self) -> None:
+        """Ask ``serve()`` to return; safe from any thread."""
+        loop, ev = self.loop, self._stop_event
+        if loop is None or ev is None:
+            return
+        try:
+            loop.call_soon_threadsafe(ev.set)
+        except RuntimeError:  # loop already closed
+            pass
+
+    def call(self, fn: Callable[..., T], *args: Any, timeout: float = 30.0) -> T:
+        """Run ``fn(*args)`` on the agent's loop from another thread and return its result
+        (awaiting it when it returns an awaitable) — the in-process engine API."""
+        assert self.loop is not None, "agent is not running"
+
+        async def run() -> T:
+            out = fn(*args)
+            if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
+                return await out  # type: ignore[no-any-return]
+            return out
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+
+class AgentThread:
+    """Run an agent in a background thread of this process (library use, tests)."""
+
+    def __init__(self, agent: AgentBase) -> None:
+        self.agent = agent
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"transferd-{agent.name}", daemon=True)
+
+    def _run(self) -> None:
+        loop = new_event_loop()
+        try:
+            loop.run_until_complete(self.agent.serve())
+        except BaseException as exc:  # reported by start()/stop()
+            self.error = exc
+            self.agent.started.set()
+        finally:
+            loop.close()
+
+    def start(self, timeout: float = 30.0) -> AgentThread:
+        self.thread.start()
+        if not self.agent.started.wait(timeout):
+            raise TimeoutError(f"{self.agent.name} did not start within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.agent.stop()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"{self.agent.name} did not stop within {timeout}s")
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> AgentThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,321 @@
+"""Configuration: TOML files, ``TRANSFERD_*`` environment variables and CLI flags.
+
+Precedence: built-in defaults < file < environment < explicit flags. Unknown keys are errors that
+name the key and the file. Sizes accept ``"64MiB"``; durations carry their unit in the key name.
+Strings may use ``{name}``, ``{group}``, ``{rank}`` and ``{run_dir}`` placeholders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+from .layout import ModelSpec, PoolLayout, StateComponent
+from .protocol.policy import SplitMode
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """``4096``, ``"64KiB"``, ``"1MiB"``, ``"2GB"`` → bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"{what} must be >= 0, not {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ConfigError(f"{what}: cannot read {value!r} as a size (examples: 4096, \"64KiB\", \"1MiB\")")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+
+
+def default_run_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return str(Path(base) / "transferd") if base else f"/tmp/transferd-{os.getuid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    kv_pages: int = 1024
+    state_slots: int = 64
+    aux_slots: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverConfig:
+    name: str = "decode0"
+    bind: str = "tcp://127.0.0.1:57500"
+    engine_socket: str = "ipc://{run_dir}/{name}.sock"
+    pool: str = "{name}"
+    create_pool: bool = True
+    kv_pages: int = 4096
+    state_slots: int = 64
+    aux_slots: int = 256
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 5
+    bootstrap_timeout_s: float = 120.0
+
+    def expand(self, s: str, run_dir: str) -> str:
+        return s.format(name=self.name, run_dir=run_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class SenderConfig:
+    group: str = "prefill0"
+    cp_size: int = 1
+    cp_rank: int = 0
+    split: str = "pages"
+    receivers: tuple[str, ...] = ("tcp://127.0.0.1:57500",)
+    engine_socket: str = "ipc://{run_dir}/{group}-r{rank}.sock"
+    pool: str = "{group}-r{rank}"
+    create_pool: bool = True
+    kv_pages: int = 4096
+    state_slots: int = 64
+    aux_slots: int = 256
+    max_message_bytes: int = 1 << 20
+    send_hwm: int = 64
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 5
+
+    def expand(self, s: str, run_dir: str) -> str:
+        return s.format(group=self.group, rank=self.cp_rank, run_dir=run_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    rooms: int = 24
+    chunks: int = 3
+    pages_per_room: int = 24
+    prefix_every: int = 3
+    empty_last_every: int = 4
+    in_flight: int = 8
+    seed: int = 1
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
+    sender: SenderConfig = field(default_factory=SenderConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+    run_dir: str = field(default_factory=default_run_dir)
+    log_level: str = "info"
+    log_format: str = "text"
+    source: str = "<defaults>"
+
+    # -- derived -------------------------------------------------------------------------
+    def receiver_layout(self) -> PoolLayout:
+        r = self.receiver
+        return self.model.layout(r.kv_pages, r.state_slots, r.aux_slots)
+
+    def sender_layout(self) -> PoolLayout:
+        s = self.sender
+        return self.model.layout(s.kv_pages, s.state_slots, s.aux_slots)
+
+    def receiver_pool_name(self) -> str:
+        return self.receiver.expand(self.receiver.pool, self.run_dir)
+
+    def receiver_engine_socket(self) -> str:
+        return self.receiver.expand(self.receiver.engine_socket, self.run_dir)
+
+    def sender_pool_name(self, rank: int | None = None) -> str:
+        s = self.sender if rank is None else replace(self.sender, cp_rank=rank)
+        return s.expand(s.pool, self.run_dir)
+
+    def sender_engine_socket(self, rank: int | None = None) -> str:
+        s = self.sender if rank is None else replace(self.sender, cp_rank=rank)
+        return s.expand(s.engine_socket, self.run_dir)
+
+    @property
+    def split(self) -> SplitMode:
+        return SplitMode.parse(self.sender.split)
+
+    def with_overrides(self, section: str, **values: Any) -> Config:
+        """Apply explicit (CLI) values to one section, validated like file values."""
+        cur = getattr(self, section)
+        merged = _section(type(cur), {k: v for k, v in values.items() if v is not None}, section, "command-line flags", cur)
+        out = replace(self, **{section: merged})
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        s = self.sender
+        SplitMode.parse(s.split)
+        if s.cp_size < 1:
+            raise ConfigError(f"sender.cp_size must be >= 1, not {s.cp_size}")
+        if not 0 <= s.cp_rank < s.cp_size:
+            raise ConfigError(f"sender.cp_rank {s.cp_rank} is outside cp_size {s.cp_size}")
+        if s.max_message_bytes < 4096:
+            raise ConfigError(f"sender.max_message_bytes must be >= 4096, not {s.max_message_bytes}")
+        if not s.receivers:
+            raise ConfigError("sender.receivers is empty: name at least one receiver endpoint")
+        for what, v in (("receiver.heartbeat_interval_s", self.receiver.heartbeat_interval_s),
+                        ("sender.heartbeat_interval_s", s.heartbeat_interval_s)):
+            if v <= 0:
+                raise ConfigError(f"{what} must be > 0, not {v}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
+        self.receiver_layout()
+        self.sender_layout()
+
+
+_SIZE_KEYS = {"max_message_bytes", "aux_row_bytes"}
+
+
+def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
+    f = {x.name: x for x in fields(cls)}[name]
+    t = str(f.type)
+    if name in _SIZE_KEYS:
+        return parse_size(value, where)
+    try:
+        if t == "bool":
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            if not isinstance(value, bool):
+                raise ValueError(value)
+            return value
+        if t == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if t == "float":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if t == "str":
+            if not isinstance(value, str):
+                raise ValueError(value)
+            return value
+        if t.startswith("tuple[str"):
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise ValueError(value)
+            return tuple(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {value!r} is not a valid {t}") from None
+    return value
+
+
+def _section(cls: type, data: Mapping[str, Any], section: str, source: str, base: Any = None) -> Any:
+    known = {f.name for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"unknown key {key!r} in [{section}] of {source} (known: {', '.join(sorted(known))})")
+        values[key] = _coerce(cls, key, value, f"{section}.{key} in {source}")
+    return replace(base, **values) if base is not None else cls(**values)
+
+
+def _model(data: Mapping[str, Any], where: str) -> ModelSpec:
+    data = dict(data)
+    comps = data.pop("state", [])
+    known = {f.name for f in fields(ModelSpec)} - {"state"}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"unknown key {key!r} in [model] of {where} (known: state, {', '.join(sorted(known))})")
+    if "aux_row_bytes" in data:
+        data["aux_row_bytes"] = parse_size(data["aux_row_bytes"], "model.aux_row_bytes")
+    states = []
+    for i, c in enumerate(comps):
+        if not isinstance(c, dict):
+            raise ConfigError(f"[[model.state]] entry {i} of {where} must be a table")
+        extra = set(c) - {"name", "layers", "slot_shape", "dtype"}
+        if extra:
+            raise ConfigError(f"unknown key {sorted(extra)[0]!r} in [[model.state]] entry {i} of {where} "
+                              "(known: name, layers, slot_shape, dtype)")
+        try:
+            shape = c["slot_shape"]
+            shape = (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
+            states.append(StateComponent(str(c["name"]), int(c["layers"]), shape, str(c.get("dtype", data.get("dtype", "bf16")))))
+        except KeyError as exc:
+            raise ConfigError(f"[[model.state]] entry {i} of {where} lacks {exc.args[0]!r}") from None
+    try:
+        return ModelSpec(state=tuple(states), **data)
+    except TypeError as exc:
+        raise ConfigError(f"[model] of {where}: {exc}") from None
+
+
+_SECTIONS: dict[str, type] = {"receiver": ReceiverConfig, "sender": SenderConfig, "demo": DemoConfig}
+_TOP = {"run_dir", "log_level", "log_format"}
+
+
+def from_mapping(data: Mapping[str, Any], source: str = "<mapping>", env: Mapping[str, str] | None = None) -> Config:
+    cfg = Config(source=source)
+    for key, value in data.items():
+        if key == "model":
+            cfg = replace(cfg, model=_model(value, source))
+        elif key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{key}] in {source} must be a table")
+            cfg = replace(cfg, **{key: _section(_SECTIONS[key], value, key, source, getattr(cfg, key))})
+        elif key in _TOP:
+            if not isinstance(value, str):
+                raise ConfigError(f"{key} in {source} must be a string")
+            cfg = replace(cfg, **{key: value})
+        else:
+            raise ConfigError(f"unknown key {key!r} in {source} (known: model, receiver, sender, demo, "
+                              f"{', '.join(sorted(_TOP))})")
+    cfg = _apply_env(cfg, os.environ if env is None else env)
+    cfg.validate()
+    return cfg
+
+
+def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
+    """``TRANSFERD_<SECTION>_<KEY>`` (e.g. ``TRANSFERD_RECEIVER_BIND``) and ``TRANSFERD_RUN_DIR``,
+    ``TRANSFERD_LOG_LEVEL``, ``TRANSFERD_LOG_FORMAT``. Unknown ``TRANSFERD_`` names are errors
+    (except the few that are not configuration, such as ``TRANSFERD_SHM_DIR``)."""
+    for name, value in env.items():
+        if not name.startswith("TRANSFERD_") or name in ("TRANSFERD_SHM_DIR",):
+            continue
+        rest = name[len("TRANSFERD_"):].lower()
+        if rest in _TOP:
+            cfg = replace(cfg, **{rest: value})
+            continue
+        section, _, key = rest.partition("_")
+        if section not in _SECTIONS or not key:
+            raise ConfigError(f"environment variable {name} names no setting "
+                              f"(use TRANSFERD_<SECTION>_<KEY>, sections: {', '.join(_SECTIONS)})")
+        cfg = replace(cfg, **{section: _section(_SECTIONS[section], {key: value}, section, f"${name}",
+                                                getattr(cfg, section))})
+    return cfg
+
+
+def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> Config:
+    if path is None:
+        return from_mapping({}, "<defaults>", env)
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    return from_mapping(data, str(p), env)
+
+
+def default_config_path() -> Path:
+    """``configs/local.toml`` shipped inside the package (also at the repository root)."""
+    return Path(__file__).with_name("configs") / "local.toml"
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,194 @@
+"""Named shared-memory pools with a self-describing header.
+
+A pool is one file under ``/dev/shm`` (``transferd-<name>``): a 4 KiB-aligned header that
+describes the layout, then every buffer, each aligned to 4 KiB. Any process attaches by name and
+gets numpy views (always) or torch views (when torch is installed) of the same bytes.
+
+Header: ``b"TRDPOOL\\0"`` magic, u32 header format version, u32 length of the msgpack layout
+description that follows, u64 data offset, then the msgpack ``PoolLayout.to_wire()`` map and the
+16-hex-digit fingerprint. The file is fully written before it appears under its final name, so an
+attaching process never sees a half-written header.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import IndexOutOfRange, LayoutError, PoolError
+from .layout import DTYPES, PoolLayout, layout_difference
+
+MAGIC = b"TRDPOOL\0"
+HEADER_FORMAT = 1
+ALIGN = 4096
+_HDR = struct.Struct("<8sIIQ")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
+
+
+def shm_dir() -> Path:
+    return Path(os.environ.get("TRANSFERD_SHM_DIR", "/dev/shm"))
+
+
+def pool_path(name: str) -> Path:
+    if not _NAME_RE.match(name):
+        raise PoolError(f"pool name {name!r} must be 1-201 characters of letters, digits, '_', '.', '-'")
+    return shm_dir() / f"transferd-{name}"
+
+
+def _align(x: int) -> int:
+    return (x + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Pool:
+    """A mapped pool. Use :meth:`create` or :meth:`attach`; :meth:`close` unmaps."""
+
+    def __init__(self, name: str, layout: PoolLayout, mm: mmap.mmap, offsets: list[int], owner: bool) -> None:
+        self.name = name
+        self.layout = layout
+        self._mm = mm
+        self._owner = owner
+        self.offsets = offsets
+        base = np.frombuffer(mm, dtype=np.uint8)
+        self.rows: list[np.ndarray] = []
+        for off, b in zip(offsets, layout.buffers):
+            self.rows.append(base[off:off + b.nbytes].reshape(b.rows, b.row_bytes))
+        self._base = base
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, layout: PoolLayout, *, exist_ok: bool = False) -> Pool:
+        """Create a pool (zero-filled). With ``exist_ok``, attach to an existing pool of a
+        compatible layout and the same row counts instead; anything else is an error."""
+        path = pool_path(name)
+        if path.exists():
+            if not exist_ok:
+                raise PoolError(f"pool {name!r} already exists at {path}")
+            pool = cls.attach(name)
+            diff = layout_difference(pool.layout, layout, "existing pool", "configured")
+            if diff is None and pool.layout.to_wire() != layout.to_wire():
+                diff = "row counts differ from the configured ones"
+            if diff:
+                pool.close()
+                raise LayoutError(f"pool {name!r} exists with another layout: {diff}")
+            return pool
+        desc = msgpack.packb({"layout": layout.to_wire(), "fp": layout.fingerprint()}, use_bin_type=True)
+        data_off = _align(_HDR.size + len(desc))
+        offsets = []
+        off = data_off
+        for b in layout.buffers:
+            offsets.append(off)
+            off = _align(off + b.nbytes)
+        total = max(off, ALIGN)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm[:_HDR.size] = _HDR.pack(MAGIC, HEADER_FORMAT, len(desc), data_off)
+            mm[_HDR.size:_HDR.size + len(desc)] = desc
+            try:
+                os.link(tmp, path)  # fails if someone else created it meanwhile
+            except FileExistsError:
+                mm.close()
+                raise PoolError(f"pool {name!r} was created concurrently by another process") from None
+        finally:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+        return cls(name, layout, mm, offsets, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Pool:
+        path = pool_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise PoolError(f"pool {name!r} does not exist (looked for {path})") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HDR.size:
+                raise PoolError(f"pool {name!r}: file of {size} bytes is too small for a header")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            magic, fmt, desc_len, data_off = _HDR.unpack_from(mm, 0)
+            if magic != MAGIC:
+                raise PoolError(f"pool {name!r}: not a transferd pool (bad magic {magic!r})")
+            if fmt != HEADER_FORMAT:
+                raise PoolError(f"pool {name!r}: header format {fmt}, this transferd reads {HEADER_FORMAT}")
+            if _HDR.size + desc_len > size:
+                raise PoolError(f"pool {name!r}: header length {desc_len} runs past the file")
+            desc: Any = msgpack.unpackb(mm[_HDR.size:_HDR.size + desc_len], raw=False)
+            layout = PoolLayout.from_wire(desc["layout"])
+            if layout.fingerprint() != desc["fp"]:
+                raise PoolError(f"pool {name!r}: header fingerprint does not match its layout")
+            offsets = []
+            off = data_off
+            for b in layout.buffers:
+                offsets.append(off)
+                off = _align(off + b.nbytes)
+            if off > _align(size) or data_off < _HDR.size + desc_len:
+                raise PoolError(f"pool {name!r}: layout needs {off} bytes, file has {size}")
+        except (PoolError, LayoutError):
+            mm.close()
+            raise
+        except Exception as exc:
+            mm.close()
+            raise PoolError(f"pool {name!r}: unreadable header: {exc!r}") from None
+        return cls(name, layout, mm, offsets, owner=False)
+
+    def close(self) -> None:
+        self.rows = []
+        self._base = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # views still exported (e.g. zero-copy frames in flight); unmapped when released
+
+    def unlink(self) -> None:
+        pool_path(self.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- views ---------------------------------------------------------------------------
+    def view(self, buffer: int) -> np.ndarray:
+        """Typed numpy view of one buffer: shape ``(rows, *row_shape)`` (bf16/fp8 as raw uints)."""
+        b = self.layout.buffers[buffer]
+        return self.rows[buffer].view(DTYPES[b.dtype][1]).reshape(b.rows, *b.shape)
+
+    def torch_view(self, buffer: int) -> Any:
+        """Typed torch view of one buffer (bf16, fp16, fp8, fp32, …), sharing the pool's memory."""
+        import torch  # imported only here: the daemon never needs torch
+
+        b = self.layout.buffers[buffer]
+        dt = getattr(torch, DTYPES[b.dtype][2])
+        raw = torch.frombuffer(self._mm, dtype=torch.uint8, offset=self.offsets[buffer], count=b.nbytes) \
+            if b.nbytes else torch.empty(0, dtype=torch.uint8)
+        return raw.view(dt).reshape(b.rows, *b.shape)
+
+    def buffer_index(self, name: str) -> int:
+        for i, b in enumerate(self.layout.buffers):
+            if b.name == name:
+                return i
+        raise PoolError(f"pool {self.name!r} has no buffer {name!r}")
+
+    def check_rows(self, buffer: int, rows: Any, what: str = "row") -> None:
+        """Raise :class:`IndexOutOfRange` unless every row index lies inside ``buffer``."""
+        n = self.layout.buffers[buffer].rows
+        arr = np.asarray(rows, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= n):
+            bad = int(arr[(arr < 0) | (arr >= n)][0])
+            raise IndexOutOfRange(
+                f"pool {self.name!r}: {what} {bad} outside buffer {self.layout.buffers[buffer].name} of {n} rows"
+            )

@@ -1,0 +1,302 @@
+"""Wire messages between sender agents and receivers, and their codec.
+
+Every message is a ZeroMQ multipart message whose first frame is a msgpack header. Control
+headers are maps with ``"t"`` (type) and ``"v"`` (protocol version); the hot ``data`` header is a
+short array ``[1, tok, kind, buffer, pos, count]`` followed by exactly one raw payload frame.
+Nothing here does I/O; ``docs/PROTOCOL.md`` describes the same format in prose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+from ..errors import DecodeError, VersionMismatch
+
+# Incompatible changes bump this; peers with another version are refused at registration.
+# History:
+#   1 — first version: register/registered, assign, data, done, fail, status, ping/pong.
+PROTOCOL_VERSION = 1
+
+DATA_TAG = 1
+MAX_HEADER_BYTES = 16 * 1024 * 1024  # an assign for a very long room still fits; more is hostile
+U64_MAX = (1 << 64) - 1
+
+
+def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...], what: str) -> Any:
+    try:
+        value = d[key]
+    except KeyError:
+        raise DecodeError(f"{what}: missing field {key!r}") from None
+    if typ is int and isinstance(value, bool):
+        raise DecodeError(f"{what}: field {key!r} must be int, not bool")
+    if not isinstance(value, typ):
+        names = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+        raise DecodeError(f"{what}: field {key!r} must be {names}, not {type(value).__name__}")
+    return value
+
+
+def _int(d: dict[str, Any], key: str, what: str, lo: int = 0, hi: int = U64_MAX) -> int:
+    value = _req(d, key, int, what)
+    if not lo <= value <= hi:
+        raise DecodeError(f"{what}: field {key!r}={value} outside [{lo}, {hi}]")
+    return value
+
+
+def _int_list(d: dict[str, Any], key: str, what: str) -> tuple[int, ...]:
+    value = _req(d, key, list, what)
+    if not all(type(x) is int and 0 <= x <= U64_MAX for x in value):
+        raise DecodeError(f"{what}: field {key!r} must be a list of non-negative ints")
+    return tuple(value)
+
+
+def _slots_map(d: dict[str, Any], key: str, what: str) -> dict[str, tuple[int, ...]]:
+    value = _req(d, key, dict, what)
+    out: dict[str, tuple[int, ...]] = {}
+    for comp, slots in value.items():
+        if not isinstance(comp, str):
+            raise DecodeError(f"{what}: field {key!r} keys must be component names")
+        out[comp] = _int_list({comp: slots}, comp, f"{what} {key}")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """Sender → receiver: the first message on every connection."""
+
+    T: ClassVar[str] = "register"
+    group: str
+    rank: int
+    cp_size: int
+    split: str
+    fingerprint: str
+    layout: dict[str, Any]
+    incarnation: int
+    pid: int = 0
+    host: str = ""
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "group": self.group, "rank": self.rank,
+                "cp_size": self.cp_size, "split": self.split, "fp": self.fingerprint,
+                "layout": self.layout, "inc": self.incarnation, "pid": self.pid, "host": self.host}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Register:
+        w = "register"
+        return cls(group=_req(d, "group", str, w), rank=_int(d, "rank", w, 0, 1 << 16),
+                   cp_size=_int(d, "cp_size", w, 1, 1 << 16), split=_req(d, "split", str, w),
+                   fingerprint=_req(d, "fp", str, w), layout=_req(d, "layout", dict, w),
+                   incarnation=_int(d, "inc", w), pid=_int(d, "pid", w, 0, 1 << 32),
+                   host=_req(d, "host", str, w))
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """Receiver → sender: registration accepted (``ok``) or refused with ``reason``."""
+
+    T: ClassVar[str] = "registered"
+    ok: bool
+    reason: str
+    receiver: str
+    incarnation: int
+    retry: bool = False
+    """On a refusal: register again (the receiver does not know this peer, e.g. it restarted)."""
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "ok": self.ok, "reason": self.reason,
+                "receiver": self.receiver, "inc": self.incarnation, "retry": self.retry}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Registered:
+        w = "registered"
+        return cls(ok=_req(d, "ok", bool, w), reason=_req(d, "reason", str, w),
+                   receiver=_req(d, "receiver", str, w), incarnation=_int(d, "inc", w),
+                   retry=_req(d, "retry", bool, w))
+
+
+@dataclass(frozen=True, slots=True)
+class Assign:
+    """Receiver → every rank of the group: a room's destinations and its transfer token."""
+
+    T: ClassVar[str] = "assign"
+    tok: int
+    room: int
+    n_pages: int
+    prefix: int
+    dst_pages: tuple[int, ...]
+    state: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    aux_slot: int = 0
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "tok": self.tok, "room": self.room,
+                "n": self.n_pages, "prefix": self.prefix, "dst": list(self.dst_pages),
+                "state": {k: list(v) for k, v in self.state.items()}, "aux": self.aux_slot}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Assign:
+        w = "assign"
+        out = cls(tok=_int(d, "tok", w), room=_int(d, "room", w), n_pages=_int(d, "n", w),
+                  prefix=_int(d, "prefix", w), dst_pages=_int_list(d, "dst", w),
+                  state=_slots_map(d, "state", w), aux_slot=_int(d, "aux", w))
+        if len(out.dst_pages) != out.n_pages or out.prefix > out.n_pages:
+            raise DecodeError(f"assign: {len(out.dst_pages)} destination pages for n={out.n_pages}, "
+                              f"prefix={out.prefix}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Data:
+    """Sender → receiver: ``count`` rows of one buffer starting at room position ``pos``.
+
+    ``kind`` 0 = KV (positions are page positions), 1 = state (positions index the room's slot
+    list of that buffer's component), 2 = aux (pos 0, count 1). The payload frame that follows
+    holds exactly ``count × row_bytes`` bytes.
+    """
+
+    tok: int
+    kind: int
+    buffer: int
+    pos: int
+    count: int
+
+    def header(self) -> list[int]:
+        return [DATA_TAG, self.tok, self.kind, self.buffer, self.pos, self.count]
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Sender → receiver: this rank has sent everything its plan holds for the room."""
+
+    T: ClassVar[str] = "done"
+    tok: int
+    rank: int
+    kv_bytes: int
+    state_bytes: int
+    aux_bytes: int
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "tok": self.tok, "rank": self.rank,
+                "bytes": [self.kv_bytes, self.state_bytes, self.aux_bytes]}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Done:
+        w = "done"
+        b = _req(d, "bytes", list, w)
+        if len(b) != 3 or not all(type(x) is int and x >= 0 for x in b):
+            raise DecodeError("done: field 'bytes' must be three non-negative ints")
+        return cls(tok=_int(d, "tok", w), rank=_int(d, "rank", w, 0, 1 << 16),
+                   kv_bytes=b[0], state_bytes=b[1], aux_bytes=b[2])
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """Sender → receiver: the prefill side failed or aborted the room."""
+
+    T: ClassVar[str] = "fail"
+    tok: int
+    code: str
+    reason: str
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "tok": self.tok, "code": self.code,
+                "reason": self.reason}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Fail:
+        w = "fail"
+        return cls(tok=_int(d, "tok", w), code=_req(d, "code", str, w), reason=_req(d, "reason", str, w))
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Receiver → every rank: the room's terminal outcome (``success`` or ``failed``)."""
+
+    T: ClassVar[str] = "status"
+    tok: int
+    room: int
+    state: str
+    code: str = ""
+    reason: str = ""
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "tok": self.tok, "room": self.room,
+                "state": self.state, "code": self.code, "reason": self.reason}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Status:
+        w = "status"
+        state = _req(d, "state", str, w)
+        if state not in ("success", "failed"):
+            raise DecodeError(f"status: state must be 'success' or 'failed', not {state!r}")
+        return cls(tok=_int(d, "tok", w), room=_int(d, "room", w), state=state,
+                   code=_req(d, "code", str, w), reason=_req(d, "reason", str, w))
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    T: ClassVar[str] = "ping"
+    seq: int
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "seq": self.seq}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Ping:
+        return cls(seq=_int(d, "seq", "ping"))
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    T: ClassVar[str] = "pong"
+    seq: int
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "seq": self.seq}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Pong:
+        return cls(seq=_int(d, "seq", "pong"))
+
+
+Control = Union[Register, Registered, Assign, Done, Fail, Status, Ping, Pong]
+Message = Union[Control, Data]
+
+CONTROL_TYPES: dict[str, Any] = {
+    c.T: c for c in (Register, Registered, Assign, Done, Fail, Status, Ping, Pong)
+}
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(msg.header(), use_bin_type=True)
+
+
+def decode_header(frame: bytes | memoryview) -> Message:
+    """Decode a header frame; raises :class:`DecodeError` or :class:`VersionMismatch` with a
+    reason that names the problem. Never evaluates anything but msgpack scalars and containers."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise DecodeError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise DecodeError(f"malformed msgpack header: {type(exc).__name__}: {exc}") from None
+    if isinstance(obj, list):
+        if len(obj) != 6 or obj[0] != DATA_TAG or not all(type(x) is int for x in obj):
+            raise DecodeError("data header must be [1, tok, kind, buffer, pos, count] of ints")
+        _, tok, kind, buf, pos, count = obj
+        if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
+                and 1 <= count < 1 << 32):
+            raise DecodeError(f"data header fields out of range: {obj}")
+        return Data(tok, kind, buf, pos, count)
+    if not isinstance(obj, dict):
+        raise DecodeError(f"header must be a map or a data array, not {type(obj).__name__}")
+    t = obj.get("t")
+    cls = CONTROL_TYPES.get(t) if isinstance(t, str) else None
+    if cls is None:
+        raise DecodeError(f"unknown message type {t!r}")
+    v = obj.get("v")
+    if v != PROTOCOL_VERSION:
+        raise VersionMismatch(f"{t}: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}")
+    msg: Message = cls.parse(obj)
+    return msg

@@ -1,0 +1,487 @@
+"""The decode-side receiver: registers sender agents, assigns rooms, writes arriving rows into
+the decode pool, and decides each room's outcome.
+
+Everything runs on one event loop; a data frame is checked against the room's plan
+(:class:`~transferd.protocol.room.CoverageTracker`) *before* a byte is written, and once a room is
+terminal no further byte of it is written (the abort barrier holds because abort, release and
+frame handling are serialised on that loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from .accounting import Accounting
+from .agent import AgentBase
+from .config import Config
+from .errors import RoomExists, TransferdError, UnknownRoom
+from .layout import KINDS, PoolLayout, layout_difference
+from .pool import Pool
+from .protocol.messages import (
+    Assign, Data, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
+)
+from .protocol.policy import SplitMode
+from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance
+from .protocol.engine import ints as _ints, nonempty_str as _str, slot_map, u64 as _u64
+from .transport import LocalApiServer, configure
+
+log = logging.getLogger(__name__)
+
+AUX_GUARD = np.dtype("<u8")
+
+
+@dataclass(slots=True)
+class Peer:
+    ident: bytes
+    group: str
+    rank: int
+    incarnation: int
+    pid: int
+    host: str
+    registered_at: float
+    last_seen: float
+
+
+@dataclass(slots=True)
+class Group:
+    name: str
+    cp_size: int
+    split: SplitMode
+    ranks: dict[int, bytes] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DecodeRoom:
+    req: RoomRequest
+    tok: int
+    created: float
+    status: RoomStatus = field(default_factory=lambda: RoomStatus(RoomState.BOOTSTRAPPING))
+    tracker: CoverageTracker | None = None
+    assigned: dict[int, bytes] = field(default_factory=dict)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    finished: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.req.group, self.req.room)
+
+
+class Receiver(AgentBase):
+    def __init__(self, cfg: Config, *, pool: Pool | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rcfg = cfg.receiver
+        self.name = f"receiver {self.rcfg.name}"
+        self.layout: PoolLayout = pool.layout if pool is not None else cfg.receiver_layout()
+        self.pool = pool
+        self._own_pool = False
+        self.incarnation = random.getrandbits(63)
+        self.acct = Accounting()
+        self.peers: dict[bytes, Peer] = {}
+        self.groups: dict[str, Group] = {}
+        self.rooms: dict[tuple[str, int], DecodeRoom] = {}
+        self.by_tok: dict[int, DecodeRoom] = {}
+        self._next_tok = random.getrandbits(62) | 1
+        self.data_endpoint = ""
+        self.engine_endpoint = ""
+        self._row_bytes = [b.row_bytes for b in self.layout.buffers]
+        self._kind_of = [b.kind for b in self.layout.buffers]
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def _start(self) -> None:
+        assert self.ctx is not None
+        if self.pool is None:
+            name = self.cfg.receiver_pool_name()
+            if self.rcfg.create_pool:
+                self.pool = Pool.create(name, self.layout, exist_ok=True)
+                self._own_pool = self.pool._owner
+            else:
+                self.pool = Pool.attach(name)
+                diff = layout_difference(self.pool.layout, self.layout, "pool", "config")
+                if diff:
+                    raise TransferdError(f"pool {name!r} does not match the configuration: {diff}")
+                self.layout = self.pool.layout
+        self.router = self.ctx.socket(zmq.ROUTER)
+        configure(self.router)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.bind(self.rcfg.bind)
+        self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sync = zmq.Socket.shadow(self.router.underlying)
+        self.api = LocalApiServer(self.ctx, self.cfg.receiver_engine_socket(), {
+            "expect": self._api_expect, "poll": self._api_poll, "wait": self._api_wait,
+            "abort": self._api_abort, "release": self._api_release, "stats": lambda r: self.stats(),
+            "status": lambda r: self.status(), "ping": lambda r: {"name": self.rcfg.name, "pid": os.getpid()},
+        }, self.name)
+        self.engine_endpoint = self.api.bound
+        self.spawn(self._recv_loop(), "recv")
+        self.spawn(self.api.run(), "engine-api")
+        self.spawn(self._tick_loop(), "tick")
+        log.info("%s: data on %s, engine API on %s, pool %s (%s)", self.name, self.data_endpoint,
+                 self.engine_endpoint, self.pool.name, self.layout.fingerprint())
+
+    async def _close(self) -> None:
+        for room in list(self.rooms.values()):
+            self._finish(room, RoomStatus(RoomState.FAILED, "shutdown", f"receiver {self.rcfg.name} shut down"))
+        if hasattr(self, "api"):
+            self.api.close()
+        if hasattr(self, "router"):
+            self.router.close(linger=0)
+        if self.pool is not None:
+            if self._own_pool:
+                self.pool.unlink()
+            self.pool.close()
+
+    # -- sending -------------------------------------------------------------------------
+    def _send(self, ident: bytes, msg: Any) -> bool:
+        try:
+            self._sync.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            self.acct.dropped[f"send_{zmq.strerror(exc.errno).replace(' ', '_').lower()}"] += 1
+            log.warning("%s: could not send %s to %r: %s", self.name, type(msg).__name__, ident, exc)
+            return False
+
+    # -- network input -------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        sock = self.router
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                self._on_frames(frames)
+            except Exception:  # a bug must not take the receiver down with every room
+                log.exception("%s: error while handling a message", self.name)
+                self.acct.refused["internal_error"] += 1
+
+    def _refuse(self, code: str, why: str, ident: bytes = b"") -> None:
+        self.acct.refused[code] += 1
+        log.warning("%s: refused (%s) from %r: %s", self.name, code, ident, why)
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        if len(frames) < 2:
+            self._refuse("malformed", "message without a header frame", ident)
+            return
+        try:
+            msg = decode_header(frames[1].buffer)
+        except TransferdError as exc:
+            self._refuse(exc.code, str(exc), ident)
+            return
+        peer = self.peers.get(ident)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        if isinstance(msg, Data):
+            if len(frames) != 3:
+                self._refuse("malformed", f"data message with {len(frames) - 2} payload frames, not 1", ident)
+                return
+            if peer is None:
+                self._refuse("unregistered", "data from an unregistered peer", ident)
+                return
+            self._on_data(peer, msg, frames[2].buffer)
+            return
+        if len(frames) != 2:
+            self._refuse("malformed", f"{type(msg).__name__} with {len(frames) - 1} frames, not 1", ident)
+            return
+        if isinstance(msg, Register):
+            self._on_register(ident, msg)
+        elif peer is None:
+            self._refuse("unregistered", f"{type(msg).__name__} from an unregistered peer", ident)
+            self._send(ident, Registered(False, "unknown peer: register first", self.rcfg.name,
+                                         self.incarnation, retry=True))
+        elif isinstance(msg, Ping):
+            self._send(ident, Pong(msg.seq))
+        elif isinstance(msg, Done):
+            self._on_done(peer, msg)
+        elif isinstance(msg, Fail):
+            self._on_fail(peer, msg)
+        else:
+            self._refuse("unexpected_type", f"{type(msg).__name__} is not sent to a receiver", ident)
+
+    def _on_register(self, ident: bytes, msg: Register) -> None:
+        def refuse(reason: str, code: str) -> None:
+            self._refuse(code, f"registration of {msg.group} rank {msg.rank}: {reason}", ident)
+            self._send(ident, Registered(False, reason, self.rcfg.name, self.incarnation))
+
+        try:
+            split = SplitMode.parse(msg.split)
+        except TransferdError as exc:
+            refuse(str(exc), "bad_split")
+            return
+        if msg.rank >= msg.cp_size:
+            refuse(f"rank {msg.rank} is outside cp_size {msg.cp_size}", "bad_rank")
+            return
+        try:
+            theirs = PoolLayout.from_wire(msg.layout)
+        except TransferdError as exc:
+            refuse(f"unreadable layout: {exc}", "layout")
+            return
+        if theirs.fingerprint() != msg.fingerprint:
+            refuse("layout fingerprint does not match the layout sent with it", "layout")
+            return
+        diff = layout_difference(theirs, self.layout)
+        if diff:
+            refuse(f"incompatible layout: {diff}", "layout")
+            return
+        group = self.groups.get(msg.group)
+        if group is not None and (group.cp_size != msg.cp_size or group.split is not split):
+            refuse(f"group {msg.group} is registered with cp_size {group.cp_size} split {group.split.value}; "
+                   f"rank {msg.rank} says cp_size {msg.cp_size} split {split.value}", "inconsistent_group")
+            return
+        if group is None:
+            group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split)
+        old_ident = group.ranks.get(msg.rank)
+        now = time.monotonic()
+        if old_ident is not None and old_ident != ident:
+            old = self.peers.pop(old_ident, None)
+            reason = (f"prefill {msg.group} rank {msg.rank} restarted (incarnation "
+                      f"{old.incarnation if old else '?'} -> {msg.incarnation})")
+            log.warning("%s: %s", self.name, reason)
+            for room in self._rooms_of(msg.group):
+                if room.assigned.get(msg.rank) == old_ident:
+                    self._finish(room, RoomStatus(RoomState.FAILED, "peer_restarted", reason))
+        group.ranks[msg.rank] = ident
+        self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now)
+        self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation))
+        log.info("%s: registered %s rank %d/%d (%s, incarnation %x, pid %d on %s)", self.name, msg.group,
+                 msg.rank, msg.cp_size, split.value, msg.incarnation, msg.pid, msg.host)
+        for room in self._rooms_of(msg.group):
+            if not room.status.state.terminal and room.assigned.get(msg.rank) is None:
+                self._assign(room, group, msg.rank)
+
+    def _rooms_of(self, group: str) -> list[DecodeRoom]:
+        return [r for r in self.rooms.values() if r.req.group == group]
+
+    def _on_data(self, peer: Peer, msg: Data, payload: memoryview) -> None:
+        room = self.by_tok.get(msg.tok)
+        if room is None:
+            self._refuse("unknown_room", f"data for unknown transfer token {msg.tok:x}", peer.ident)
+            return
+        if room.status.state.terminal:
+            self.acct.dropped["room_not_live"] += 1  # late frames after abort/failure: never written
+            return
+        if room.assigned.get(peer.rank) != peer.ident or room.req.group != peer.group:
+            self._refuse("wrong_peer", f"{peer.group} rank {peer.rank} sent data for room {room.key} "
+                                       "it was not assigned", peer.ident)
+            return
+        tracker = room.tracker
+        assert tracker is not None and self.pool is not None
+        if msg.buffer >= len(self._row_bytes) or KINDS[msg.kind] != self._kind_of[msg.buffer]:
+            self._reject_frame(room, peer, "unexpected", f"data kind {msg.kind} for buffer {msg.buffer} "
+                                                         "does not match the layout")
+            return
+        row_bytes = self._row_bytes[msg.buffer]
+        if len(payload) != msg.count * row_bytes:
+            self._reject_frame(room, peer, "length_mismatch",
+                               f"payload of {len(payload)} bytes for {msg.count} rows of {row_bytes} bytes")
+            return
+        if msg.kind == 2:
+            guard = int(np.frombuffer(payload, dtype=AUX_GUARD, count=1)[0])
+            if guard != room.req.room:
+                self._reject_frame(room, peer, "aux_guard", f"aux row carries room id {guard}, "
+                                                            f"expected {room.req.room}")
+                return
+        try:
+            first, rows = tracker.accept(peer.rank, msg.kind, msg.buffer, msg.pos, msg.count)
+        except Refused as exc:
+            self._reject_frame(room, peer, exc.code, exc.reason)
+            return
+        src = np.frombuffer(payload, dtype=np.uint8).reshape(msg.count, row_bytes)
+        if rows is None:
+            self.pool.rows[msg.buffer][first:first + msg.count] = src
+        else:
+            self.pool.rows[msg.buffer][rows] = src
+        self.acct.add(self._kind_of[msg.buffer], len(payload))
+        if room.status.state is not RoomState.TRANSFERRING:
+            room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
+        if tracker.complete:
+            self._finish(room, RoomStatus(RoomState.SUCCESS))
+
+    def _reject_frame(self, room: DecodeRoom, peer: Peer, code: str, reason: str) -> None:
+        self._refuse(code, f"room {room.key}: {reason}", peer.ident)
+        self._finish(room, RoomStatus(RoomState.FAILED, code, f"{peer.group} rank {peer.rank}: {reason}"))
+
+    def _on_done(self, peer: Peer, msg: Done) -> None:
+        room = self.by_tok.get(msg.tok)
+        if room is None or room.status.state.terminal:
+            self.acct.dropped["done_not_live"] += 1
+            return
+        if room.assigned.get(peer.rank) != peer.ident or msg.rank != peer.rank:
+            self._refuse("wrong_peer", f"done for room {room.key} from a peer not assigned to it", peer.ident)
+            return
+        assert room.tracker is not None
+        problem = room.tracker.rank_done(peer.rank)
+        if problem:
+            self._finish(room, RoomStatus(RoomState.FAILED, "incomplete", f"{peer.group} {problem}"))
+        elif room.tracker.complete:
+            self._finish(room, RoomStatus(RoomState.SUCCESS))
+
+    def _on_fail(self, peer: Peer, msg: Fail) -> None:
+        room = self.by_tok.get(msg.tok)
+        if room is None or room.assigned.get(peer.rank) != peer.ident:
+            self.acct.dropped["fail_not_live"] += 1
+            return
+        self._finish(room, RoomStatus(RoomState.FAILED, msg.code or "prefill_failed",
+                                      f"prefill {peer.group} rank {peer.rank}: {msg.reason}"))
+
+    # -- room management -----------------------------------------------------------------
+    def _assign(self, room: DecodeRoom, group: Group, rank: int) -> None:
+        if room.tracker is None:
+            room.tracker = CoverageTracker(self.layout, group.cp_size, group.split, room.req)
+        ident = group.ranks[rank]
+        req = room.req
+        room.assigned[rank] = ident
+        self._send(ident, Assign(room.tok, req.room, len(req.dst_pages), req.prefix, req.dst_pages,
+                                 req.state, req.aux_slot))
+        if len(room.assigned) == group.cp_size:
+            room.status = advance(room.status, RoomStatus(RoomState.WAITING))
+
+    def _finish(self, room: DecodeRoom, status: RoomStatus) -> None:
+        new = advance(room.status, status)
+        if new is room.status:
+            return
+        room.status = new
+        room.finished = time.monotonic()
+        self.acct.rooms[new.state.value] += 1
+        if new.state is RoomState.FAILED:
+            self.acct.failures[new.code] += 1
+            log.warning("%s: room %s/%d failed (%s): %s", self.name, room.req.group, room.req.room, new.code, new.reason)
+        else:
+            log.debug("%s: room %s/%d succeeded in %.3fs", self.name, room.req.group, room.req.room,
+                      room.finished - room.created)
+        for ident in room.assigned.values():
+            if ident in self.peers:
+                self._send(ident, Status(room.tok, room.req.room, new.state.value, new.code, new.reason))
+        for fut in room.waiters:
+            if not fut.done():
+                fut.set_result(None)
+        room.waiters.clear()
+
+    async def _tick_loop(self) -> None:
+        interval = self.rcfg.heartbeat_interval_s
+        deadline = interval * self.rcfg.heartbeat_misses
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            for peer in [p for p in self.peers.values() if now - p.last_seen > deadline]:
+                self._peer_lost(peer, f"prefill {peer.group} rank {peer.rank} (pid {peer.pid} on {peer.host}) "
+                                      f"missed heartbeats for {now - peer.last_seen:.1f}s")
+            for room in list(self.rooms.values()):
+                if room.status.state is RoomState.BOOTSTRAPPING and now - room.created > self.rcfg.bootstrap_timeout_s:
+                    self._finish(room, RoomStatus(RoomState.FAILED, "bootstrap_timeout",
+                                                  f"prefill group {room.req.group} did not register all ranks within "
+                                                  f"{self.rcfg.bootstrap_timeout_s:g}s"))
+
+    def _peer_lost(self, peer: Peer, reason: str) -> None:
+        log.warning("%s: %s", self.name, reason)
+        self.peers.pop(peer.ident, None)
+        group = self.groups.get(peer.group)
+        if group is not None and group.ranks.get(peer.rank) == peer.ident:
+            del group.ranks[peer.rank]
+        for room in self._rooms_of(peer.group):
+            if room.assigned.get(peer.rank) == peer.ident:
+                self._finish(room, RoomStatus(RoomState.FAILED, "peer_lost", reason))
+
+    # -- engine API (runs on the loop) ---------------------------------------------------
+    def expect(self, req: RoomRequest) -> RoomStatus:
+        req.validate(self.layout)
+        old = self.rooms.get((req.group, req.room))
+        if old is not None:
+            raise RoomExists(f"room {req.group}/{req.room} is still held ({old.status.state.value}); release it first")
+        tok = self._next_tok
+        self._next_tok = (self._next_tok + 1) & ((1 << 64) - 1) or 1
+        room = DecodeRoom(req, tok, time.monotonic())
+        self.rooms[room.key] = room
+        self.by_tok[tok] = room
+        group = self.groups.get(req.group)
+        if group is not None:
+            for rank in sorted(group.ranks):
+                self._assign(room, group, rank)
+        return room.status
+
+    def _room(self, req: dict[str, Any]) -> DecodeRoom:
+        key = (str(req["group"]), int(req["room"]))
+        room = self.rooms.get(key)
+        if room is None:
+            raise UnknownRoom(f"room {key[0]}/{key[1]} is not held by receiver {self.rcfg.name}")
+        return room
+
+    def abort(self, group: str, room_id: int, reason: str = "") -> RoomStatus:
+        room = self._room({"group": group, "room": room_id})
+        self._finish(room, RoomStatus(RoomState.FAILED, "aborted", reason or "aborted by the decode engine"))
+        return room.status
+
+    def release(self, group: str, room_id: int) -> RoomStatus:
+        room = self._room({"group": group, "room": room_id})
+        self._finish(room, RoomStatus(RoomState.FAILED, "aborted", "released by the decode engine before completion"))
+        del self.rooms[room.key]
+        self.by_tok.pop(room.tok, None)
+        return room.status
+
+    async def wait(self, group: str, room_id: int, timeout_s: float) -> RoomStatus:
+        room = self._room({"group": group, "room": room_id})
+        if not room.status.state.terminal:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            room.waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, timeout_s)
+            except asyncio.TimeoutError:
+                if fut in room.waiters:
+                    room.waiters.remove(fut)
+        return room.status
+
+    def _api_expect(self, r: dict[str, Any]) -> dict[str, str]:
+        req = RoomRequest(
+            room=_u64(r["room"], "room"), group=_str(r["group"], "group"),
+            dst_pages=_ints(r["dst_pages"], "dst_pages"), prefix=_u64(r.get("prefix_pages", 0), "prefix_pages"),
+            state=slot_map(r.get("state"), "state"),
+            aux_slot=_u64(r["aux_slot"], "aux_slot"),
+        )
+        return self.expect(req).to_wire()
+
+    def _api_poll(self, r: dict[str, Any]) -> dict[str, str]:
+        return self._room(r).status.to_wire()
+
+    async def _api_wait(self, r: dict[str, Any]) -> dict[str, str]:
+        return (await self.wait(str(r["group"]), int(r["room"]), float(r.get("timeout_s", 60.0)))).to_wire()
+
+    def _api_abort(self, r: dict[str, Any]) -> dict[str, str]:
+        return self.abort(str(r["group"]), int(r["room"]), str(r.get("reason", ""))).to_wire()
+
+    def _api_release(self, r: dict[str, Any]) -> dict[str, str]:
+        return self.release(str(r["group"]), int(r["room"])).to_wire()
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out = self.acct.snapshot()
+        out.update(role="receiver", name=self.rcfg.name, pid=os.getpid(), incarnation=self.incarnation,
+                   data_endpoint=self.data_endpoint, engine_endpoint=self.engine_endpoint)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        by_state: dict[str, int] = {}
+        for room in self.rooms.values():
+            by_state[room.status.state.value] = by_state.get(room.status.state.value, 0) + 1
+        return {
+            "role": "receiver", "name": self.rcfg.name, "host": socket.gethostname(), "pid": os.getpid(),
+            "data_endpoint": self.data_endpoint, "layout_fingerprint": self.layout.fingerprint(),
+            "groups": {
+                g.name: {"cp_size": g.cp_size, "split": g.split.value, "ranks": {
+                    str(rank): {"incarnation": self.peers[i].incarnation, "pid": self.peers[i].pid,
+                                "host": self.peers[i].host, "last_seen_s": round(now - self.peers[i].last_seen, 3)}
+                    for rank, i in sorted(g.ranks.items()) if i in self.peers}}
+                for g in self.groups.values()
+            },
+            "rooms": by_state,
+            "stats": self.stats(),
+        }
+

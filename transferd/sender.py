@@ -1,0 +1,534 @@
+"""The prefill-side sender agent of one CP rank.
+
+It registers with every configured receiver, learns each room's destinations from the receiver
+that expects it (``assign``), and streams what the shared policy says this rank sends: its KV
+slice (coalesced runs, zero-copy out of the pool, ≤ ``max_message_bytes`` per message), the
+replicated state only if the de-dup leaves it to this rank, the aux row on rank 0, then ``done``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from .accounting import Accounting
+from .agent import AgentBase
+from .config import Config
+from .errors import BadRequest, IndexOutOfRange, TransferdError, UnknownRoom
+from .layout import PoolLayout, layout_difference
+from .pool import Pool
+from .protocol.engine import ints, slot_map, u64
+from .protocol.messages import (
+    Assign, Data, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
+)
+from .protocol.policy import RankPlan, SplitMode, rank_plan
+from .protocol.room import RoomState, RoomStatus, advance
+from .transport import LocalApiServer, configure
+
+log = logging.getLogger(__name__)
+
+TERMINAL_RETENTION = 100_000
+
+
+@dataclass(slots=True)
+class Conn:
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    sync: zmq.Socket[Any]
+    state: str = "registering"  # registering | registered | refused
+    receiver: str = ""
+    receiver_inc: int = 0
+    reason: str = ""
+    last_heard: float = 0.0
+    last_register: float = 0.0
+    ping_seq: int = 0
+
+
+@dataclass(slots=True)
+class Chunk:
+    start: int
+    src: np.ndarray
+    last: bool
+    state: dict[str, np.ndarray]
+    aux_slot: int | None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.src)
+
+
+@dataclass(slots=True)
+class SendRoom:
+    room: int
+    status: RoomStatus = field(default_factory=lambda: RoomStatus(RoomState.BOOTSTRAPPING))
+    conn: Conn | None = None
+    assign: Assign | None = None
+    plan: RankPlan | None = None
+    dst: np.ndarray | None = None
+    chunks: collections.deque[Chunk] = field(default_factory=collections.deque)
+    next_start: int = 0
+    last_submitted: bool = False
+    sending: bool = False
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+
+def runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
+    """Split positions ``0..len(src)`` into ``[a, b)`` runs where both ``src`` and ``dst`` rows are
+    consecutive — each run moves as one block."""
+    n = len(src)
+    if n == 0:
+        return []
+    brk = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
+    edges = [0, *brk.tolist(), n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class SenderAgent(AgentBase):
+    def __init__(self, cfg: Config, *, pool: Pool | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        s = cfg.sender
+        self.scfg = s
+        self.group, self.rank, self.cp_size = s.group, s.cp_rank, s.cp_size
+        self.split = SplitMode.parse(s.split)
+        self.name = f"sender {s.group}/r{s.cp_rank}"
+        self.layout: PoolLayout = pool.layout if pool is not None else cfg.sender_layout()
+        self.pool = pool
+        self._own_pool = False
+        self.incarnation = random.getrandbits(63)
+        self.acct = Accounting()
+        self.conns: list[Conn] = []
+        self.rooms: collections.OrderedDict[int, SendRoom] = collections.OrderedDict()
+        self.engine_endpoint = ""
+        self._kv0 = self.layout.indices("kv")[0] if self.layout.indices("kv") else None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def _start(self) -> None:
+        assert self.ctx is not None
+        if self.pool is None:
+            name = self.cfg.sender_pool_name()
+            if self.scfg.create_pool:
+                self.pool = Pool.create(name, self.layout, exist_ok=True)
+                self._own_pool = self.pool._owner
+            else:
+                self.pool = Pool.attach(name)
+                diff = layout_difference(self.pool.layout, self.layout, "pool", "config")
+                if diff:
+                    raise TransferdError(f"pool {name!r} does not match the configuration: {diff}")
+                self.layout = self.pool.layout
+        ident = f"{self.group}/{self.rank}/{self.incarnation:016x}".encode()
+        for ep in self.scfg.receivers:
+            sock = self.ctx.socket(zmq.DEALER)
+            configure(sock, hwm=self.scfg.send_hwm)
+            sock.setsockopt(zmq.IDENTITY, ident)
+            sock.connect(ep)
+            conn = Conn(ep, sock, zmq.Socket.shadow(sock.underlying))
+            self.conns.append(conn)
+            self._register(conn)
+            self.spawn(self._recv_loop(conn), f"recv {ep}")
+        self.api = LocalApiServer(self.ctx, self.cfg.sender_engine_socket(), {
+            "submit": self._api_submit, "poll": self._api_poll, "wait": self._api_wait,
+            "abort": self._api_abort, "stats": lambda r: self.stats(), "status": lambda r: self.status(),
+            "ping": lambda r: {"name": self.name, "pid": os.getpid()},
+        }, self.name)
+        self.engine_endpoint = self.api.bound
+        self.spawn(self.api.run(), "engine-api")
+        self.spawn(self._tick_loop(), "tick")
+        log.info("%s: cp %d/%d split %s, receivers %s, engine API on %s, pool %s", self.name, self.rank,
+                 self.cp_size, self.split.value, ", ".join(self.scfg.receivers), self.engine_endpoint,
+                 self.pool.name)
+
+    async def _close(self) -> None:
+        for room in list(self.rooms.values()):
+            self._fail(room, "shutdown", f"sender {self.group}/r{self.rank} shut down")
+        if hasattr(self, "api"):
+            self.api.close()
+        for c in self.conns:
+            c.sock.close(linger=0)
+        if self.pool is not None:
+            if self._own_pool:
+                self.pool.unlink()
+            self.pool.close()
+
+    def _register(self, conn: Conn) -> None:
+        conn.last_register = time.monotonic()
+        self._send_ctrl(conn, Register(self.group, self.rank, self.cp_size, self.split.value,
+                                       self.layout.fingerprint(), self.layout.to_wire(), self.incarnation,
+                                       os.getpid(), socket.gethostname()))
+
+    def _send_ctrl(self, conn: Conn, msg: Any) -> bool:
+        """Small control message, never blocking the loop (dropped and counted if the pipe is full)."""
+        try:
+            conn.sync.send(encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            self.acct.dropped[f"ctrl_{type(msg).__name__.lower()}"] += 1
+            log.debug("%s: %s to %s not sent: %s", self.name, type(msg).__name__, conn.endpoint, exc)
+            return False
+
+    # -- network input -------------------------------------------------------------------
+    async def _recv_loop(self, conn: Conn) -> None:
+        while True:
+            frames = await conn.sock.recv_multipart()
+            try:
+                self._on_frames(conn, frames)
+            except Exception:
+                log.exception("%s: error while handling a message from %s", self.name, conn.endpoint)
+                self.acct.refused["internal_error"] += 1
+
+    def _on_frames(self, conn: Conn, frames: list[bytes]) -> None:
+        conn.last_heard = time.monotonic()
+        if len(frames) != 1:
+            self.acct.refused["malformed"] += 1
+            log.warning("%s: message with %d frames from %s refused", self.name, len(frames), conn.endpoint)
+            return
+        try:
+            msg = decode_header(frames[0])
+        except TransferdError as exc:
+            self.acct.refused[exc.code] += 1
+            log.warning("%s: refused message from %s: %s", self.name, conn.endpoint, exc)
+            return
+        if isinstance(msg, Registered):
+            self._on_registered(conn, msg)
+        elif isinstance(msg, Pong):
+            pass
+        elif conn.state != "registered":
+            self.acct.refused["not_registered"] += 1
+        elif isinstance(msg, Assign):
+            self._on_assign(conn, msg)
+        elif isinstance(msg, Status):
+            self._on_status(conn, msg)
+        else:
+            self.acct.refused["unexpected_type"] += 1
+            log.warning("%s: %s is not sent to a sender; refused", self.name, type(msg).__name__)
+
+    def _on_registered(self, conn: Conn, msg: Registered) -> None:
+        if msg.ok:
+            if conn.state == "registered" and conn.receiver_inc != msg.incarnation:
+                self._conn_lost(conn, f"receiver {conn.receiver} restarted")
+            conn.state, conn.receiver, conn.receiver_inc, conn.reason = "registered", msg.receiver, msg.incarnation, ""
+            log.info("%s: registered with receiver %s at %s", self.name, msg.receiver, conn.endpoint)
+        elif msg.retry:
+            if conn.state == "registered":
+                self._conn_lost(conn, f"receiver {msg.receiver} at {conn.endpoint} no longer knows this sender "
+                                      "(it restarted)")
+            conn.state = "registering"
+            self._register(conn)
+        else:
+            conn.state, conn.receiver, conn.reason = "refused", msg.receiver, msg.reason
+            self.acct.refused["registration_refused"] += 1
+            log.error("%s: receiver %s at %s refused registration: %s", self.name, msg.receiver, conn.endpoint,
+                      msg.reason)
+
+    def _on_assign(self, conn: Conn, msg: Assign) -> None:
+        room = self.rooms.get(msg.room)
+        if room is not None and room.assign is not None:
+            if room.assign.tok == msg.tok:
+                return
+            self.acct.refused["duplicate_assign"] += 1
+            reason = (f"room {msg.room} of {self.group} is already assigned by receiver "
+                      f"{room.conn.receiver if room.conn else '?'}")
+            log.warning("%s: %s; refusing the assignment from %s", self.name, reason, conn.receiver)
+            self._send_ctrl(conn, Fail(msg.tok, "room_exists", reason))
+            return
+        if room is None:
+            room = self._new_room(msg.room)
+        if room.status.state.terminal:
+            self._send_ctrl(conn, Fail(msg.tok, room.status.code or "aborted",
+                                       f"room already ended on the prefill side: {room.status.reason}"))
+            return
+        missing = [c for c in msg.state if c not in self.layout.state_components]
+        if missing:
+            self._fail_assigned(room, conn, msg, "bad_assign", f"assignment names unknown state component {missing[0]!r}")
+            return
+        room.conn, room.assign = conn, msg
+        room.plan = rank_plan(self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix)
+        room.dst = np.asarray(msg.dst_pages, dtype=np.int64)
+        room.status = advance(room.status, RoomStatus(RoomState.WAITING))
+        if room.last_submitted and room.next_start != msg.n_pages:
+            self._fail(room, "length_mismatch", f"the engine submitted {room.next_start} pages, the decode side "
+                                                f"expects {msg.n_pages}")
+            return
+        self._pump(room)
+
+    def _fail_assigned(self, room: SendRoom, conn: Conn, msg: Assign, code: str, reason: str) -> None:
+        room.conn, room.assign = conn, msg
+        self._fail(room, code, reason)
+
+    def _on_status(self, conn: Conn, msg: Status) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None or room.assign is None or room.assign.tok != msg.tok:
+            self.acct.dropped["status_unknown_room"] += 1
+            return
+        state = RoomState.SUCCESS if msg.state == "success" else RoomState.FAILED
+        self._set_terminal(room, RoomStatus(state, msg.code, msg.reason))
+
+    def _conn_lost(self, conn: Conn, reason: str) -> None:
+        log.warning("%s: %s", self.name, reason)
+        for room in list(self.rooms.values()):
+            if room.conn is conn and not room.status.state.terminal:
+                self._set_terminal(room, RoomStatus(RoomState.FAILED, "peer_lost", reason))
+
+    async def _tick_loop(self) -> None:
+        interval = self.scfg.heartbeat_interval_s
+        deadline = interval * self.scfg.heartbeat_misses
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for conn in self.conns:
+                if conn.state == "registered":
+                    if now - conn.last_heard > deadline:
+                        self._conn_lost(conn, f"receiver {conn.receiver} at {conn.endpoint} missed heartbeats "
+                                              f"for {now - conn.last_heard:.1f}s")
+                        conn.state = "registering"
+                        self._register(conn)
+                    else:
+                        conn.ping_seq += 1
+                        self._send_ctrl(conn, Ping(conn.ping_seq))
+                elif conn.state == "registering" and now - conn.last_register > interval:
+                    self._register(conn)
+
+    # -- rooms ---------------------------------------------------------------------------
+    def _new_room(self, room_id: int) -> SendRoom:
+        room = SendRoom(room_id)
+        self.rooms[room_id] = room
+        while len(self.rooms) > TERMINAL_RETENTION:
+            oldest = next(iter(self.rooms.values()))
+            if not oldest.status.state.terminal:
+                break
+            self.rooms.popitem(last=False)
+        return room
+
+    def _set_terminal(self, room: SendRoom, status: RoomStatus) -> None:
+        new = advance(room.status, status)
+        if new is room.status:
+            return
+        room.status = new
+        room.chunks.clear()
+        self.acct.rooms[new.state.value] += 1
+        if new.state is RoomState.FAILED:
+            self.acct.failures[new.code] += 1
+            log.warning("%s: room %d failed (%s): %s", self.name, room.room, new.code, new.reason)
+        for fut in room.waiters:
+            if not fut.done():
+                fut.set_result(None)
+        room.waiters.clear()
+
+    def _fail(self, room: SendRoom, code: str, reason: str) -> None:
+        """A prefill-side failure: end the room here and tell the receiver at once."""
+        if room.status.state.terminal:
+            return
+        self._set_terminal(room, RoomStatus(RoomState.FAILED, code, reason))
+        if room.conn is not None and room.assign is not None:
+            self._send_ctrl(room.conn, Fail(room.assign.tok, code, reason))
+
+    def _pump(self, room: SendRoom) -> None:
+        if room.assign is not None and room.chunks and not room.sending and not room.status.state.terminal:
+            room.sending = True
+            self.spawn(self._send_room(room), f"room {room.room}")
+
+    async def _send_room(self, room: SendRoom) -> None:
+        try:
+            while room.chunks and not room.status.state.terminal:
+                chunk = room.chunks.popleft()
+                problem = self._check_chunk(room, chunk)
+                if problem:
+                    self._fail(room, "bad_chunk", problem)
+                    return
+                room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
+                await self._send_kv(room, chunk)
+                if chunk.last and not room.status.state.terminal:
+                    await self._send_last(room, chunk)
+        except (zmq.ZMQError, TransferdError) as exc:
+            self._fail(room, "send_error", f"{self.name} could not send: {exc}")
+        finally:
+            room.sending = False
+            self._tasks = [t for t in self._tasks if not t.done()]
+        self._pump(room)
+
+    def _check_chunk(self, room: SendRoom, chunk: Chunk) -> str | None:
+        assert room.assign is not None
+        a = room.assign
+        if chunk.end > a.n_pages:
+            return f"chunk [{chunk.start}, {chunk.end}) runs past the room's {a.n_pages} pages"
+        if chunk.last:
+            if chunk.end != a.n_pages:
+                return f"last chunk ends at page {chunk.end}, the decode side expects {a.n_pages} pages"
+            for comp in self.layout.state_components:
+                want = len(a.state.get(comp, ()))
+                have = len(chunk.state.get(comp, ()))
+                if room.plan and any(self.layout.buffers[b].component == comp for b in room.plan.state_buffers) \
+                        and have != want:
+                    return f"state component {comp!r}: {have} source slots for {want} destination slots"
+            if room.plan and room.plan.aux and chunk.aux_slot is None:
+                return "the last chunk names no aux slot (rank 0 sends the aux row)"
+        return None
+
+    async def _send(self, room: SendRoom, kind: int, buffer: int, pos: int, count: int, src_row: int) -> None:
+        assert room.conn is not None and room.assign is not None and self.pool is not None
+        payload = self.pool.rows[buffer][src_row:src_row + count]
+        await room.conn.sock.send_multipart(
+            [encode(Data(room.assign.tok, kind, buffer, pos, count)), payload], copy=False)
+        self.acct.add(("kv", "state", "aux")[kind], payload.nbytes)
+
+    async def _send_runs(self, room: SendRoom, kind: int, buffers: tuple[int, ...], src: np.ndarray,
+                         dst: np.ndarray, base: int) -> None:
+        pieces = runs(src, dst)
+        for b in buffers:
+            step = max(1, self.scfg.max_message_bytes // self.layout.buffers[b].row_bytes)
+            for a, e in pieces:
+                for p in range(a, e, step):
+                    if room.status.state.terminal:
+                        return  # aborted or failed: stop sending this room at once
+                    await self._send(room, kind, b, base + p, min(step, e - p), int(src[p]))
+
+    async def _send_kv(self, room: SendRoom, chunk: Chunk) -> None:
+        assert room.plan is not None and room.dst is not None
+        lo, hi = room.plan.chunk_range(chunk.start, chunk.end)
+        if lo >= hi or not room.plan.kv_buffers:
+            return
+        src = chunk.src[lo - chunk.start:hi - chunk.start]
+        await self._send_runs(room, 0, room.plan.kv_buffers, src, room.dst[lo:hi], lo)
+
+    async def _send_last(self, room: SendRoom, chunk: Chunk) -> None:
+        assert room.plan is not None and room.assign is not None and room.conn is not None
+        plan, a = room.plan, room.assign
+        for comp in self.layout.state_components:
+            bufs = tuple(b for b in plan.state_buffers if self.layout.buffers[b].component == comp)
+            if bufs:
+                dst = np.asarray(a.state.get(comp, ()), dtype=np.int64)
+                await self._send_runs(room, 1, bufs, chunk.state.get(comp, np.empty(0, np.int64)), dst, 0)
+        for b in plan.state_skipped:
+            comp = self.layout.buffers[b].component
+            self.acct.state_bytes_skipped += len(a.state.get(comp, ())) * self.layout.buffers[b].row_bytes
+        if plan.aux and not room.status.state.terminal:
+            assert chunk.aux_slot is not None
+            await self._send(room, 2, self.layout.aux_index, 0, 1, chunk.aux_slot)
+        if room.status.state.terminal:
+            return
+        kv = plan.kv_positions * sum(self.layout.buffers[b].row_bytes for b in plan.kv_buffers)
+        st = sum(len(a.state.get(self.layout.buffers[b].component, ())) * self.layout.buffers[b].row_bytes
+                 for b in plan.state_buffers)
+        await room.conn.sock.send(encode(Done(a.tok, self.rank, kv, st, self.layout.aux_row_bytes if plan.aux else 0)))
+
+    # -- engine API ----------------------------------------------------------------------
+    def submit(self, room_id: int, start: int, src_pages: tuple[int, ...], *, last: bool = False,
+               state: dict[str, tuple[int, ...]] | None = None, aux_slot: int | None = None) -> RoomStatus:
+        """Queue one chunk of a room: source pages for positions ``[start, start + len)``; the last
+        chunk also names the state slots and the aux slot. Every index is checked first."""
+        assert self.pool is not None
+        room = self.rooms.get(room_id)
+        if room is not None and room.status.state.terminal:
+            raise BadRequest(f"room {room_id} already ended ({room.status.state.value}: {room.status.reason})")
+        if room is not None and room.last_submitted:
+            raise BadRequest(f"room {room_id} already had its last chunk")
+        expected = room.next_start if room is not None else 0
+        if start != expected:
+            raise BadRequest(f"room {room_id}: chunk starts at page position {start}, expected {expected} "
+                             "(chunks are contiguous and start at 0)")
+        src = np.asarray(src_pages, dtype=np.int64)
+        if self._kv0 is not None:
+            self.pool.check_rows(self._kv0, src, f"room {room_id} source page")
+        elif len(src):
+            raise IndexOutOfRange(f"room {room_id}: pool has no KV buffers but {len(src)} source pages were given")
+        if len(np.unique(src)) != len(src):
+            raise BadRequest(f"room {room_id}: a source page is listed twice in the chunk")
+        st: dict[str, np.ndarray] = {}
+        for comp, slots in (state or {}).items():
+            if comp not in self.layout.state_components:
+                raise BadRequest(f"room {room_id}: unknown state component {comp!r} "
+                                 f"(pool has {list(self.layout.state_components)})")
+            idx = self.layout.indices("state")
+            b = next(i for i in idx if self.layout.buffers[i].component == comp)
+            arr = np.asarray(slots, dtype=np.int64)
+            self.pool.check_rows(b, arr, f"room {room_id} {comp} state slot")
+            st[comp] = arr
+        if (state or aux_slot is not None) and not last:
+            raise BadRequest(f"room {room_id}: state and aux slots belong to the last chunk")
+        if aux_slot is not None:
+            self.pool.check_rows(self.layout.aux_index, [aux_slot], f"room {room_id} aux slot")
+        if room is not None and room.assign is not None:
+            n = room.assign.n_pages
+            end = start + len(src)
+            if end > n or (last and end != n):
+                raise BadRequest(f"room {room_id}: chunk [{start}, {end}) does not fit the room's {n} pages"
+                                 + (" (the last chunk must end at the last page)" if last else ""))
+        if room is None:
+            room = self._new_room(room_id)
+        room.chunks.append(Chunk(start, src, last, st, aux_slot))
+        room.next_start = start + len(src)
+        room.last_submitted = last
+        self._pump(room)
+        return room.status
+
+    def _get(self, room_id: int) -> SendRoom:
+        room = self.rooms.get(room_id)
+        if room is None:
+            raise UnknownRoom(f"room {room_id} is not known to {self.name}")
+        return room
+
+    def abort(self, room_id: int, reason: str = "") -> RoomStatus:
+        room = self.rooms.get(room_id) or self._new_room(room_id)
+        self._fail(room, "aborted", reason or "aborted by the prefill engine")
+        return room.status
+
+    async def wait(self, room_id: int, timeout_s: float) -> RoomStatus:
+        room = self._get(room_id)
+        if not room.status.state.terminal:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            room.waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, timeout_s)
+            except asyncio.TimeoutError:
+                if fut in room.waiters:
+                    room.waiters.remove(fut)
+        return room.status
+
+    def _api_submit(self, r: dict[str, Any]) -> dict[str, str]:
+        aux = r.get("aux_slot")
+        return self.submit(u64(r["room"], "room"), u64(r.get("start", 0), "start"), ints(r["src_pages"], "src_pages"),
+                           last=bool(r.get("last", False)), state=slot_map(r.get("state"), "state"),
+                           aux_slot=None if aux is None else u64(aux, "aux_slot")).to_wire()
+
+    def _api_poll(self, r: dict[str, Any]) -> dict[str, str]:
+        return self._get(u64(r["room"], "room")).status.to_wire()
+
+    async def _api_wait(self, r: dict[str, Any]) -> dict[str, str]:
+        return (await self.wait(u64(r["room"], "room"), float(r.get("timeout_s", 60.0)))).to_wire()
+
+    def _api_abort(self, r: dict[str, Any]) -> dict[str, str]:
+        return self.abort(u64(r["room"], "room"), str(r.get("reason", ""))).to_wire()
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out = self.acct.snapshot()
+        out.update(role="sender", group=self.group, rank=self.rank, cp_size=self.cp_size, split=self.split.value,
+                   pid=os.getpid(), incarnation=self.incarnation, engine_endpoint=self.engine_endpoint)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        by_state: dict[str, int] = {}
+        for room in self.rooms.values():
+            by_state[room.status.state.value] = by_state.get(room.status.state.value, 0) + 1
+        return {
+            "role": "sender", "group": self.group, "rank": self.rank, "cp_size": self.cp_size,
+            "split": self.split.value, "host": socket.gethostname(), "pid": os.getpid(),
+            "incarnation": self.incarnation, "layout_fingerprint": self.layout.fingerprint(),
+            "receivers": [{"endpoint": c.endpoint, "state": c.state, "receiver": c.receiver, "reason": c.reason,
+                           "last_heard_s": round(now - c.last_heard, 3) if c.last_heard else None}
+                          for c in self.conns],
+            "rooms": by_state,
+            "stats": self.stats(),
+        }

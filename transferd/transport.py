@@ -1,0 +1,136 @@
+"""ZeroMQ plumbing shared by the agents: sockets, endpoints, the local engine API server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from .errors import TransferdError
+
+log = logging.getLogger(__name__)
+
+LOCAL_API_VERSION = 1
+MAX_LOCAL_REQUEST_BYTES = 64 * 1024 * 1024
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+def prepare_ipc(endpoint: str) -> None:
+    """Create the directory of an ``ipc://`` endpoint, private to this user (0700)."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.exists():
+        path.unlink()  # a stale socket from a previous run; binding would otherwise fail or hijack
+
+
+def restrict_ipc(endpoint: str) -> None:
+    """Make an ``ipc://`` socket file readable and writable by its owner only (0600)."""
+    path = ipc_path(endpoint)
+    if path is not None and path.exists():
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+
+
+def configure(sock: zmq.Socket[Any], *, hwm: int = 0) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    if hwm:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+
+
+Handler = Callable[[dict[str, Any]], Any]
+
+
+class LocalApiServer:
+    """The engine-facing socket: a ROUTER on a private ``ipc://`` (or loopback tcp) endpoint.
+
+    Requests are one msgpack map ``{"id": int, "op": str, ...}``; every reply is
+    ``{"id", "ok": true, "result"}`` or ``{"id", "ok": false, "code", "error"}``. Handlers run on
+    the event loop; a handler may return an awaitable (for ``wait``), answered when it finishes.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, handlers: dict[str, Handler], name: str) -> None:
+        self.endpoint = endpoint
+        self.handlers = handlers
+        self.name = name
+        prepare_ipc(endpoint)
+        self.sock = ctx.socket(zmq.ROUTER)
+        configure(self.sock)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_LOCAL_REQUEST_BYTES)
+        self.sock.bind(endpoint)
+        restrict_ipc(endpoint)
+        self.bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.refused = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def run(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2:
+                self.refused += 1
+                log.warning("%s: engine request with %d frames refused", self.name, len(frames))
+                continue
+            ident, body = frames
+            try:
+                req = msgpack.unpackb(body, raw=False)
+                if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+                    raise TransferdError("request must be a map with a string 'op'")
+            except Exception as exc:
+                self.refused += 1
+                log.warning("%s: malformed engine request refused: %s", self.name, exc)
+                await self._reply(ident, {"id": None, "ok": False, "code": "decode", "error": f"malformed request: {exc}"})
+                continue
+            rid = req.get("id")
+            handler = self.handlers.get(req["op"])
+            if handler is None:
+                await self._reply(ident, {"id": rid, "ok": False, "code": "bad_request",
+                                          "error": f"unknown op {req['op']!r}; known: {', '.join(sorted(self.handlers))}"})
+                continue
+            try:
+                result = handler(req)
+            except TransferdError as exc:
+                await self._reply(ident, {"id": rid, "ok": False, "code": exc.code, "error": str(exc)})
+                continue
+            except (KeyError, TypeError, ValueError) as exc:
+                await self._reply(ident, {"id": rid, "ok": False, "code": "bad_request",
+                                          "error": f"{req['op']}: bad arguments: {type(exc).__name__}: {exc}"})
+                continue
+            if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+                t = asyncio.ensure_future(self._finish(ident, rid, result))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+            else:
+                await self._reply(ident, {"id": rid, "ok": True, "result": result})
+
+    async def _finish(self, ident: bytes, rid: Any, aw: Awaitable[Any]) -> None:
+        try:
+            result = await aw
+        except TransferdError as exc:
+            await self._reply(ident, {"id": rid, "ok": False, "code": exc.code, "error": str(exc)})
+        else:
+            await self._reply(ident, {"id": rid, "ok": True, "result": result})
+
+    async def _reply(self, ident: bytes, body: dict[str, Any]) -> None:
+        try:
+            await self.sock.send_multipart([ident, msgpack.packb(body, use_bin_type=True)])
+        except zmq.ZMQError as exc:  # the engine went away
+            log.debug("%s: reply to engine dropped: %s", self.name, exc)
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.sock.close(linger=0)
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            path.unlink(missing_ok=True)
