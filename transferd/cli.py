@@ -1,0 +1,210 @@
+"""``transferd`` command line: ``receiver``, ``sender``, ``launch``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import logs
+from .agent import AgentBase, new_event_loop
+from .config import Config, load
+from .errors import TransferdError
+
+log = logging.getLogger("transferd")
+
+
+def find_default_config() -> str | None:
+    """``$TRANSFERD_CONFIG``, else ``./configs/local.toml``, else the one beside the source tree."""
+    env = os.environ.get("TRANSFERD_CONFIG")
+    if env:
+        return env
+    for p in (Path.cwd() / "configs" / "local.toml", Path(__file__).resolve().parent.parent / "configs" / "local.toml"):
+        if p.is_file():
+            return str(p)
+    return None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="TOML configuration file (default: configs/local.toml)")
+    p.add_argument("--run-dir", help="directory for engine sockets (default: from config)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
+    p.add_argument("--log-format", choices=["text", "json"], help="text for people, json for journald/docker")
+
+
+def _sender_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cp-size", type=int, help="context-parallel size of the prefill group")
+    p.add_argument("--split", choices=["pages", "layers", "rank0"], help="who-sends-what split mode")
+    p.add_argument("--group", help="prefill group name")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="transferd", description="Move KV cache and request state from prefill "
+                                 "CP ranks to decode workers.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("receiver", help="run the decode-side receiver")
+    _common(p)
+    p.add_argument("--bind", help="ZeroMQ endpoint for senders, e.g. tcp://127.0.0.1:57500 (port * = any)")
+    p.add_argument("--name", help="receiver name")
+
+    p = sub.add_parser("sender", help="run the sender agent of one prefill CP rank")
+    _common(p)
+    _sender_flags(p)
+    p.add_argument("--cp-rank", type=int, help="this agent's CP rank")
+    p.add_argument("--receiver", action="append", help="receiver endpoint (repeatable; replaces the config's list)")
+
+    p = sub.add_parser("launch", help="start a receiver and N senders on this host, supervised")
+    _common(p)
+    _sender_flags(p)
+
+    p = sub.add_parser("demo", help="run rooms through real daemons with synthetic engines and verify every byte")
+    _common(p)
+    _sender_flags(p)
+    p.add_argument("--rooms", type=int, help="number of rooms")
+    p.add_argument("--chunks", type=int, help="chunks per room")
+    p.add_argument("--pages", type=int, help="pages per room (upper bound; rooms vary)")
+    p.add_argument("--in-flight", type=int, help="rooms in flight at once")
+    p.add_argument("--seed", type=int, help="random seed")
+    p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-' for stdout)")
+    return ap
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[Config, str | None]:
+    path = args.config or find_default_config()
+    cfg = load(path)
+    top: dict[str, Any] = {}
+    if args.run_dir:
+        top["run_dir"] = args.run_dir
+    if args.log_level:
+        top["log_level"] = args.log_level
+    if args.log_format:
+        top["log_format"] = args.log_format
+    if top:
+        from dataclasses import replace
+
+        cfg = replace(cfg, **top)
+    if args.cmd == "receiver":
+        cfg = cfg.with_overrides("receiver", bind=args.bind, name=args.name)
+    if args.cmd in ("sender", "launch", "demo"):
+        cfg = cfg.with_overrides("sender", cp_size=args.cp_size, split=args.split, group=args.group)
+    if args.cmd == "sender":
+        cfg = cfg.with_overrides("sender", cp_rank=args.cp_rank,
+                                 receivers=tuple(args.receiver) if args.receiver else None)
+    if args.cmd == "demo":
+        cfg = cfg.with_overrides("demo", rooms=args.rooms, chunks=args.chunks, pages_per_room=args.pages,
+                                 in_flight=args.in_flight, seed=args.seed)
+    return cfg, path
+
+
+def sd_notify(message: str) -> bool:
+    """The systemd notify protocol: one datagram to $NOTIFY_SOCKET (no-op when unset)."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        s.sendall(message.encode())
+    return True
+
+
+def run_agent(agent: AgentBase) -> int:
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+
+    def on_signal(signum: int) -> None:
+        log.info("%s: %s received, shutting down", agent.name, signal.Signals(signum).name)
+        sd_notify("STOPPING=1")
+        agent.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(agent.serve())
+        while not agent.started.is_set() and not task.done():
+            await asyncio.sleep(0.01)
+        if not task.done():
+            sd_notify(f"READY=1\nSTATUS={agent.name} running\nMAINPID={os.getpid()}")
+        await task
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    return 0
+
+
+def cmd_launch(cfg: Config, path: str | None) -> int:
+    from .launcher import Launcher
+
+    launcher = Launcher(cfg, path, common_args=["--run-dir", cfg.run_dir],
+                        sender_args=["--cp-size", str(cfg.sender.cp_size), "--split", cfg.sender.split,
+                                     "--group", cfg.sender.group])
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        launcher.start()
+        print(f"transferd: receiver {cfg.receiver.name} on {launcher.receiver_endpoint} "
+              f"(engine socket {cfg.receiver_engine_socket()}); {cfg.sender.cp_size} sender(s) of "
+              f"{cfg.sender.group}: " + ", ".join(cfg.sender_engine_socket(r) for r in range(cfg.sender.cp_size)),
+              flush=True)
+        ok = True
+        while not stopping and ok:
+            time.sleep(0.2)
+            ok = launcher.supervise_once()
+    except TransferdError as exc:
+        log.error("launch failed: %s", exc)
+        ok = False
+    finally:
+        codes = launcher.stop()
+        log.info("stopped: %s", ", ".join(f"{k} exit {v}" for k, v in codes.items()))
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg, path = resolve_config(args)
+    except TransferdError as exc:
+        print(f"transferd: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(cfg.log_level, cfg.log_format)
+    try:
+        if args.cmd == "receiver":
+            from .receiver import Receiver
+
+            return run_agent(Receiver(cfg))
+        if args.cmd == "sender":
+            from .sender import SenderAgent
+
+            return run_agent(SenderAgent(cfg))
+        if args.cmd == "launch":
+            return cmd_launch(cfg, path)
+        if args.cmd == "demo":
+            from .demo import run_demo
+
+            return run_demo(cfg, path, json_path=args.json)
+    except TransferdError as exc:
+        log.error("%s", exc)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

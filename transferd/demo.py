@@ -1,0 +1,337 @@
+"""``transferd demo``: real daemons, synthetic engines, every byte verified.
+
+Starts a receiver and ``cp_size`` sender processes, fills every rank's source pool with different
+random bytes (so the check also proves *which* rank each byte came from) and the decode pool with
+a known pattern, runs rooms (several chunks each, some with prefix pages, some whose last chunk
+carries no pages, some submitted before the decode side expected them), then compares the decode
+pool with what the policy says must have arrived — and checks that no other row changed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .client import DecodeClient, PrefillClient
+from .config import Config, load
+from .errors import ConfigError
+from .launcher import Launcher
+from .layout import KINDS
+from .pool import Pool
+from .protocol.policy import group_plans
+from .protocol.room import RoomState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DemoRoom:
+    room: int
+    n: int
+    prefix: int
+    dst: np.ndarray
+    src: list[np.ndarray]  # per rank
+    chunks: list[tuple[int, int]]
+    state_dst: dict[str, np.ndarray]
+    state_src: list[dict[str, np.ndarray]]
+    aux_dst: int
+    aux_src: list[int]
+    status: str = ""
+    reason: str = ""
+    mismatched: int = 0
+
+
+@dataclass
+class Summary:
+    cp_size: int
+    split: str
+    rooms_ok: int = 0
+    rooms_failed: int = 0
+    mismatched_bytes: int = 0
+    wire_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    received_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    state_bytes_skipped: int = 0
+    expected_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    seconds: float = 0.0
+    rooms_failed_by_reason: dict[str, int] = field(default_factory=dict)
+    stray_bytes: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
+    env.update({
+        "TRANSFERD_RUN_DIR": run_dir,
+        "TRANSFERD_LOG_LEVEL": base.log_level,
+        "TRANSFERD_RECEIVER_BIND": "tcp://127.0.0.1:*",
+        "TRANSFERD_RECEIVER_POOL": f"{tag}-{{name}}",
+        "TRANSFERD_SENDER_POOL": f"{tag}-{{group}}-r{{rank}}",
+        "TRANSFERD_SENDER_CP_SIZE": str(base.sender.cp_size),
+        "TRANSFERD_SENDER_SPLIT": base.sender.split,
+        "TRANSFERD_SENDER_GROUP": base.sender.group,
+    })
+    return env
+
+
+class _Alloc:
+    """Row allocator over one pool dimension (random order, so runs are sometimes contiguous)."""
+
+    def __init__(self, rows: int, rng: np.random.Generator) -> None:
+        self.rng = rng
+        blocks = [list(range(i, min(i + 4, rows))) for i in range(0, rows, 4)]
+        order = rng.permutation(len(blocks))
+        self.free = [r for i in order for r in blocks[i]]
+
+    def take(self, n: int, what: str) -> np.ndarray:
+        if n > len(self.free):
+            raise ConfigError(f"demo needs {n} more {what} but only {len(self.free)} are free; "
+                              "raise the pool size or lower demo.in_flight / demo.pages_per_room")
+        out, self.free = self.free[:n], self.free[n:]
+        return np.asarray(out, dtype=np.int64)
+
+    def give(self, rows: np.ndarray | list[int]) -> None:
+        self.free.extend(int(x) for x in rows)
+
+
+def _make_room(i: int, cfg: Config, rng: np.random.Generator, dec: dict[str, _Alloc],
+               src: list[dict[str, _Alloc]], comps: tuple[str, ...], pools: list[Pool]) -> DemoRoom:
+    d = cfg.demo
+    cp = cfg.sender.cp_size
+    n = int(rng.integers(max(1, d.pages_per_room // 2), d.pages_per_room + 1))
+    prefix = int(rng.integers(1, n)) if d.prefix_every and i % d.prefix_every == 1 and n > 1 else 0
+    n_chunks = max(1, d.chunks)
+    empty_last = bool(d.empty_last_every) and i % d.empty_last_every == 2 and n_chunks > 1
+    cuts = np.linspace(0, n, (n_chunks - 1 if empty_last else n_chunks) + 1).astype(int).tolist()
+    chunks = list(zip(cuts[:-1], cuts[1:]))
+    if empty_last:
+        chunks.append((n, n))
+    room_id = int(rng.integers(1, 2**63))
+    aux_src = [int(src[r]["aux"].take(1, "source aux slots")[0]) for r in range(cp)]
+    for r in range(cp):  # the engine writes the room id guard into its aux row
+        aux = pools[r].rows[pools[r].layout.aux_index]
+        aux[aux_src[r], :8] = np.frombuffer(np.uint64(room_id).astype("<u8").tobytes(), dtype=np.uint8)
+    return DemoRoom(
+        room=room_id, n=n, prefix=prefix, dst=dec["kv"].take(n, "decode pages"),
+        src=[src[r]["kv"].take(n, "source pages") for r in range(cp)], chunks=chunks,
+        state_dst={c: dec[c].take(1, f"decode {c} slots") for c in comps},
+        state_src=[{c: src[r][c].take(1, f"source {c} slots") for c in comps} for r in range(cp)],
+        aux_dst=int(dec["aux"].take(1, "decode aux slots")[0]), aux_src=aux_src,
+    )
+
+
+def _verify(room: DemoRoom, cfg: Config, dpool: Pool, spools: list[Pool], snapshot: list[np.ndarray]) -> int:
+    """Mismatched bytes of one successful room, against the policy's owner of every row."""
+    layout = dpool.layout
+    plans = group_plans(layout, cfg.sender.cp_size, cfg.split, room.n, room.prefix)
+    bad = 0
+    for p in plans:
+        r = p.rank
+        lo, hi = p.kv_range
+        for b in p.kv_buffers:
+            got = dpool.rows[b][room.dst[lo:hi]]
+            want = spools[r].rows[b][room.src[r][lo:hi]]
+            bad += int(np.count_nonzero(got != want))
+        for b in p.state_buffers:
+            comp = layout.buffers[b].component
+            got = dpool.rows[b][room.state_dst[comp]]
+            want = spools[r].rows[b][room.state_src[r][comp]]
+            bad += int(np.count_nonzero(got != want))
+        if p.aux:
+            a = layout.aux_index
+            bad += int(np.count_nonzero(dpool.rows[a][room.aux_dst] != spools[r].rows[a][room.aux_src[r]]))
+    # prefix positions are held by the decode side already: they must be untouched
+    for b in layout.indices("kv"):
+        pre = room.dst[:room.prefix]
+        bad += int(np.count_nonzero(dpool.rows[b][pre] != snapshot[b][pre]))
+    return bad
+
+
+def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None) -> int:
+    t_start = time.monotonic()
+    tag = f"demo{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="transferd-demo-") as run_dir:
+        env = child_env(cfg_path, base, run_dir, tag)
+        cfg = load(cfg_path, env=env)
+        cfg = cfg.with_overrides("demo", **{k: getattr(base.demo, k) for k in base.demo.__dataclass_fields__})
+        launcher = Launcher(cfg, cfg_path, env=env, log_dir=Path(run_dir) / "logs")
+        try:
+            launcher.start()
+            summary = _run_rooms(cfg)
+        except BaseException:
+            _dump_logs(Path(run_dir) / "logs")
+            raise
+        finally:
+            launcher.stop()
+        if summary.rooms_failed or summary.mismatched_bytes:
+            _dump_logs(Path(run_dir) / "logs")
+    summary.seconds = round(time.monotonic() - t_start, 3)
+    _print_summary(summary)
+    if json_path:
+        text = json.dumps(summary.to_json(), indent=2, sort_keys=True)
+        if json_path == "-":
+            print(text)
+        else:
+            Path(json_path).write_text(text + "\n")
+    ok = (summary.rooms_failed == 0 and summary.mismatched_bytes == 0 and summary.rooms_ok == cfg.demo.rooms)
+    return 0 if ok else 1
+
+
+def _dump_logs(log_dir: Path) -> None:
+    for f in sorted(log_dir.glob("*.log")):
+        tail = f.read_text(errors="replace").splitlines()[-20:]
+        print(f"--- {f.name} (last {len(tail)} lines) ---", file=sys.stderr)
+        for line in tail:
+            print(line, file=sys.stderr)
+
+
+def _run_rooms(cfg: Config) -> Summary:
+    d, s = cfg.demo, cfg.sender
+    cp = s.cp_size
+    rng = np.random.default_rng(d.seed)
+    dpool = Pool.attach(cfg.receiver_pool_name())
+    spools = [Pool.attach(cfg.sender_pool_name(r)) for r in range(cp)]
+    layout = dpool.layout
+    comps = layout.state_components
+    for r, p in enumerate(spools):  # different bytes on every rank
+        g = np.random.default_rng(d.seed * 1000 + r + 1)
+        for rows in p.rows:
+            rows[:] = g.integers(0, 256, rows.shape, dtype=np.uint8)
+    g = np.random.default_rng(d.seed * 1000)
+    for rows in dpool.rows:
+        rows[:] = g.integers(0, 256, rows.shape, dtype=np.uint8)
+    snapshot = [rows.copy() for rows in dpool.rows]
+    dec = {"kv": _Alloc(layout.kv_rows, rng), "aux": _Alloc(layout.buffers[layout.aux_index].rows, rng),
+           **{c: _Alloc(layout.rows_of("state", c), rng) for c in comps}}
+    src = [{"kv": _Alloc(p.layout.kv_rows, rng), "aux": _Alloc(p.layout.buffers[p.layout.aux_index].rows, rng),
+            **{c: _Alloc(p.layout.rows_of("state", c), rng) for c in comps}} for p in spools]
+    dc = DecodeClient(cfg.receiver_engine_socket())
+    pcs = [PrefillClient(cfg.sender_engine_socket(r)) for r in range(cp)]
+    summary = Summary(cp_size=cp, split=cfg.split.value)
+    touched = [np.zeros(rows.shape[0], dtype=bool) for rows in dpool.rows]
+    done = 0
+    rooms_seen: list[DemoRoom] = []
+    try:
+        while done < d.rooms:
+            batch = [_make_room(done + i, cfg, rng, dec, src, comps, spools)
+                     for i in range(min(d.in_flight, d.rooms - done))]
+            for i, room in enumerate(batch):
+                early = i % 2 == 1  # the prefill engine is sometimes ahead of the decode side
+                if early:
+                    _submit(pcs, room, 0)
+                dc.expect(room.room, s.group, room.dst, aux_slot=room.aux_dst, prefix_pages=room.prefix,
+                          state={c: v for c, v in room.state_dst.items()})
+                if not early:
+                    _submit(pcs, room, 0)
+            for k in range(1, max(len(r.chunks) for r in batch)):
+                for room in batch:
+                    if k < len(room.chunks):
+                        _submit(pcs, room, k)
+            for room in batch:
+                st = dc.wait(room.room, s.group, d.timeout_s)
+                for pc in pcs:  # every rank learns the outcome
+                    pst = pc.wait(room.room, d.timeout_s)
+                    if pst.state is not st.state:
+                        st = pst if st.state is RoomState.SUCCESS else st
+                room.status, room.reason = st.state.value, st.reason
+                if st.state is RoomState.SUCCESS:
+                    room.mismatched = _verify(room, cfg, dpool, spools, snapshot)
+                    summary.rooms_ok += 1
+                else:
+                    summary.rooms_failed += 1
+                    key = st.code or st.state.value
+                    summary.rooms_failed_by_reason[key] = summary.rooms_failed_by_reason.get(key, 0) + 1
+                    log.error("room %d: %s %s", room.room, st.state.value, st.reason)
+                summary.mismatched_bytes += room.mismatched
+                _account_expected(summary, room, layout)
+                dc.release(room.room, s.group)
+                _mark(touched, room, layout)
+                rooms_seen.append(room)
+                # give rows back; the next batch reuses them (catches writes that arrive late)
+                dec["kv"].give(room.dst)
+                dec["aux"].give([room.aux_dst])
+                for c in comps:
+                    dec[c].give(room.state_dst[c])
+                for r in range(cp):
+                    src[r]["kv"].give(room.src[r])
+                    src[r]["aux"].give([room.aux_src[r]])
+                    for c in comps:
+                        src[r][c].give(room.state_src[r][c])
+            done += len(batch)
+        # nothing outside the destination rows may have changed
+        for b, rows in enumerate(dpool.rows):
+            untouched = ~touched[b]
+            stray = int(np.count_nonzero(rows[untouched] != snapshot[b][untouched]))
+            summary.stray_bytes += stray
+        summary.mismatched_bytes += summary.stray_bytes
+        rx = dc.stats()
+        summary.received_bytes = dict(rx["bytes"])
+        summary.refused = dict(rx["refused"])
+        for pc in pcs:
+            st = pc.stats()
+            for k in KINDS:
+                summary.wire_bytes[k] += st["bytes"][k]
+            summary.state_bytes_skipped += st["state_bytes_skipped"]
+    finally:
+        dc.close()
+        for pc in pcs:
+            pc.close()
+        dpool.close()
+        for p in spools:
+            p.close()
+    return summary
+
+
+def _submit(pcs: list[PrefillClient], room: DemoRoom, k: int) -> None:
+    a, b = room.chunks[k]
+    last = k == len(room.chunks) - 1
+    for r, pc in enumerate(pcs):
+        if last:
+            pc.submit(room.room, a, room.src[r][a:b], last=True,
+                      state={c: v for c, v in room.state_src[r].items()}, aux_slot=room.aux_src[r])
+        else:
+            pc.submit(room.room, a, room.src[r][a:b])
+
+
+def _account_expected(summary: Summary, room: DemoRoom, layout: Any) -> None:
+    summary.expected_bytes["kv"] += (room.n - room.prefix) * layout.kv_page_bytes()
+    summary.expected_bytes["state"] += sum(
+        len(room.state_dst[layout.buffers[b].component]) * layout.buffers[b].row_bytes for b in layout.indices("state"))
+    summary.expected_bytes["aux"] += layout.aux_row_bytes
+
+
+def _mark(touched: list[np.ndarray], room: DemoRoom, layout: Any) -> None:
+    for b in layout.indices("kv"):
+        touched[b][room.dst[room.prefix:]] = True
+    for b in layout.indices("state"):
+        touched[b][room.state_dst[layout.buffers[b].component]] = True
+    touched[layout.aux_index][room.aux_dst] = True
+
+
+def _mb(x: int) -> str:
+    return f"{x / 1e6:.2f} MB"
+
+
+def _print_summary(s: Summary) -> None:
+    ok = s.rooms_failed == 0 and s.mismatched_bytes == 0
+    total_wire = sum(s.wire_bytes.values())
+    print(f"transferd demo: cp_size {s.cp_size}, split {s.split}: {s.rooms_ok} rooms ok, {s.rooms_failed} failed, "
+          f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}")
+    print(f"  wire:     kv {_mb(s.wire_bytes['kv'])}, state {_mb(s.wire_bytes['state'])}, aux {_mb(s.wire_bytes['aux'])}"
+          f" (total {_mb(total_wire)})")
+    print(f"  expected: kv {_mb(s.expected_bytes['kv'])}, state {_mb(s.expected_bytes['state'])}, "
+          f"aux {_mb(s.expected_bytes['aux'])} (one copy of each)")
+    print(f"  de-dup:   {_mb(s.state_bytes_skipped)} of replicated state not sent")
+    if s.rooms_failed_by_reason:
+        print("  failures: " + ", ".join(f"{k} {v}" for k, v in sorted(s.rooms_failed_by_reason.items())))
