@@ -1,0 +1,111 @@
+"""The command line on real processes: ``transferd demo`` across CP sizes and split modes,
+``transferd launch`` start-up and clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from transferd.client import DecodeClient, PrefillClient
+from transferd.config import load
+from transferd.errors import ClientTimeout
+from transferd.protocol.room import RoomState
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@pytest.mark.parametrize("cp, split", [(1, "pages"), (2, "pages"), (8, "pages"), (8, "layers"), (8, "rank0")])
+def test_demo_is_byte_exact_with_exact_wire_accounting(tmp_path: Path, cp: int, split: str) -> None:
+    out = tmp_path / "summary.json"
+    proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--cp-size", str(cp), "--split", split,
+                           "--rooms", "12", "--chunks", "3", "--json", str(out)],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert (s["cp_size"], s["split"]) == (cp, split)
+    assert s["rooms_ok"] == 12 and s["rooms_failed"] == 0 and s["mismatched_bytes"] == 0
+    assert s["stray_bytes"] == 0 and s["refused"] == {}
+    # exactly one copy of everything crossed the wire, and the receiver saw the same bytes
+    assert s["wire_bytes"] == s["expected_bytes"] == s["received_bytes"]
+    assert s["expected_bytes"]["state"] > 0 and s["expected_bytes"]["kv"] > 0
+    skipped = (cp - 1) * s["expected_bytes"]["state"] if split in ("pages", "rank0") else 0
+    assert s["state_bytes_skipped"] == skipped
+    assert "PASS" in proc.stdout and f"cp_size {cp}, split {split}" in proc.stdout
+
+
+def test_demo_fails_loudly_when_its_pools_are_too_small(tmp_path: Path) -> None:
+    cfg = (ROOT / "configs" / "local.toml").read_text().replace("kv_pages = 1024\nstate_slots = 64\naux_slots = 64\n"
+                                                               "max_message_bytes", "kv_pages = 16\nstate_slots = 64\n"
+                                                               "aux_slots = 64\nmax_message_bytes")
+    path = tmp_path / "small.toml"
+    path.write_text(cfg)
+    proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--config", str(path), "--rooms", "2"],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "source pages but only" in proc.stderr
+
+
+def test_launch_starts_a_working_pair_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    cfg_text = (ROOT / "configs" / "local.toml").read_text()
+    cfg_text = cfg_text.replace('bind = "tcp://127.0.0.1:57500"', 'bind = "tcp://127.0.0.1:*"')
+    cfg_text = cfg_text.replace('pool = "{name}"', f'pool = "launch{os.getpid()}-{{name}}"')
+    cfg_text = cfg_text.replace('pool = "{group}-r{rank}"', f'pool = "launch{os.getpid()}-{{group}}-r{{rank}}"')
+    path = tmp_path / "launch.toml"
+    path.write_text(cfg_text)
+    env = _env(tmp_path)
+    env["TRANSFERD_RUN_DIR"] = str(tmp_path / "run")
+    cfg = load(path, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "transferd", "launch", "--config", str(path), "--cp-size", "2"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        dc = DecodeClient(cfg.receiver_engine_socket(), timeout_s=1)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                groups = dc.status()["groups"]
+                if len(groups.get("prefill0", {}).get("ranks", {})) == 2:
+                    break
+            except ClientTimeout:
+                pass
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "launch did not come up"
+            time.sleep(0.05)
+        pids = [int(r["pid"]) for r in groups["prefill0"]["ranks"].values()] + [dc.status()["pid"]]
+        # one room through the launched daemons
+        pcs = [PrefillClient(cfg.sender_engine_socket(r), timeout_s=20) for r in range(2)]
+        from transferd.pool import Pool
+
+        spools = [Pool.attach(cfg.sender_pool_name(r)) for r in range(2)]
+        for p in spools:
+            p.rows[p.layout.aux_index][0, :8] = list((4242).to_bytes(8, "little"))
+        dc.timeout_s = 20
+        dc.expect(4242, "prefill0", list(range(8)), aux_slot=0, state={"conv": [0], "ssm": [0]})
+        for pc in pcs:
+            pc.submit(4242, 0, list(range(100, 108)), last=True, state={"conv": [1], "ssm": [1]}, aux_slot=0)
+        assert dc.wait(4242, "prefill0", 20).state is RoomState.SUCCESS
+        for p in spools:
+            p.close()
+        for c in [dc, *pcs]:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        for pid in pids:  # every child is gone
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert not list(Path("/dev/shm").glob(f"transferd-launch{os.getpid()}-*")), "pools left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

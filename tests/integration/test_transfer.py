@@ -1,0 +1,146 @@
+"""End-to-end transfers through real daemon processes over loopback TCP, byte-exact, with exact
+wire accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from transferd.protocol.room import RoomState
+
+from .harness import Cluster, fill_random
+from .rooms import expect, make_room, mismatches, state_copy_bytes, submit_all
+
+
+def _sum_bytes(pcs, kind: str) -> int:
+    return sum(pc.stats()["bytes"][kind] for pc in pcs)
+
+
+def test_chunked_room_with_prefix_and_empty_last_chunk(cluster: Cluster) -> None:
+    ep, dc, dpool = cluster.receiver()
+    pcs, spools = cluster.group("prefill0", 2, [ep])
+    for i, p in enumerate(spools):
+        fill_random(p, i + 1)
+    fill_random(dpool, 99)
+    before = [rows.copy() for rows in dpool.rows]
+    # 12 pages, decode already holds 5, three chunks, the last one carrying only state and aux
+    r = make_room(7, "prefill0", 12, 2, prefix=5, chunks=[(0, 4), (4, 12), (12, 12)], dst_start=40, spools=spools)
+    expect(dc, r)
+    submit_all(pcs, r)
+    st = dc.wait(r.room, r.group, 20)
+    assert st.state is RoomState.SUCCESS, st
+    assert [pc.wait(r.room, 20).state for pc in pcs] == [RoomState.SUCCESS] * 2
+    assert mismatches(r, dpool, spools, "pages", before) == 0
+    # every other row of the decode pool is untouched
+    touched = {b: set() for b in range(len(dpool.rows))}
+    for b in dpool.layout.indices("kv"):
+        touched[b] = set(r.dst[r.prefix:].tolist())
+    for b in dpool.layout.indices("state"):
+        touched[b] = {r.state_dst[dpool.layout.buffers[b].component][0]}
+    touched[dpool.layout.aux_index] = {r.aux_dst}
+    for b, rows in enumerate(dpool.rows):
+        keep = np.array([i not in touched[b] for i in range(rows.shape[0])])
+        assert np.array_equal(rows[keep], before[b][keep]), f"buffer {b} changed outside the room"
+    # wire accounting: KV is exactly the 7 non-prefix pages, state one copy, the de-dup saved one
+    layout = dpool.layout
+    copy = state_copy_bytes(dpool)
+    assert _sum_bytes(pcs, "kv") == 7 * layout.kv_page_bytes()
+    assert _sum_bytes(pcs, "state") == copy
+    assert _sum_bytes(pcs, "aux") == layout.aux_row_bytes
+    assert pcs[0].stats()["state_bytes_skipped"] == 0
+    assert pcs[1].stats()["state_bytes_skipped"] == copy
+    # pages 0..5 belong to rank 0, 6..11 to rank 1: rank 0 sends only position 5
+    assert pcs[0].stats()["bytes"]["kv"] == 1 * layout.kv_page_bytes()
+    assert dc.stats()["bytes"] == {"kv": 7 * layout.kv_page_bytes(), "state": copy, "aux": layout.aux_row_bytes}
+    dc.release(r.room, r.group)
+
+
+def test_many_rooms_two_groups_one_receiver(cluster: Cluster) -> None:
+    ep, dc, dpool = cluster.receiver(kv_pages=1024)
+    groups = {"pa": 2, "pb": 3}
+    made = {g: cluster.group(g, cp, [ep]) for g, cp in groups.items()}
+    seed = 1
+    for pcs, spools in made.values():
+        for p in spools:
+            fill_random(p, seed)
+            seed += 1
+    fill_random(dpool, 0)
+    before = [rows.copy() for rows in dpool.rows]
+    rooms = []
+    per_group = 10
+    for gi, (g, cp) in enumerate(groups.items()):
+        pcs, spools = made[g]
+        for i in range(per_group):
+            k = gi * per_group + i
+            rooms.append(make_room(1000 + i, g, 9 + i % 4, cp, prefix=i % 3, chunks=None, dst_start=k * 16,
+                                   src_start=i * 16, slot=k, spools=spools))
+    # all expected first, then every chunk of every room: all rooms are in flight at once
+    for r in rooms:
+        expect(dc, r)
+    for r in rooms:
+        n = r.n
+        r.chunks = [(0, n // 2), (n // 2, n)]
+        submit_all(made[r.group][0], r)
+    for r in rooms:
+        assert dc.wait(r.room, r.group, 30).state is RoomState.SUCCESS
+    for r in rooms:
+        spools = made[r.group][1]
+        assert mismatches(r, dpool, spools, "pages", before) == 0, f"room {r.group}/{r.room}"
+    copy = state_copy_bytes(dpool)
+    for g, cp in groups.items():
+        pcs = made[g][0]
+        assert _sum_bytes(pcs, "state") == per_group * copy, g
+        assert sum(pc.stats()["state_bytes_skipped"] for pc in pcs) == per_group * (cp - 1) * copy, g
+    rx = dc.stats()
+    assert rx["rooms"] == {"success": len(rooms)} and not rx["refused"]
+    assert rx["bytes"]["state"] == len(rooms) * copy
+
+
+def test_one_group_serves_two_receivers(cluster: Cluster) -> None:
+    ep1, dc1, pool1 = cluster.receiver("decode1")
+    ep2, dc2, pool2 = cluster.receiver("decode2")
+    pcs, spools = cluster.group("prefill0", 2, [ep1, ep2])
+    for i, p in enumerate(spools):
+        fill_random(p, 10 + i)
+    fill_random(pool1, 1)
+    fill_random(pool2, 2)
+    before = {id(pool1): [r.copy() for r in pool1.rows], id(pool2): [r.copy() for r in pool2.rows]}
+    placed = []
+    for i in range(8):
+        dc, pool = (dc1, pool1) if i % 2 == 0 else (dc2, pool2)
+        r = make_room(500 + i, "prefill0", 10, 2, prefix=i % 2, dst_start=i * 12, src_start=i * 12, slot=i,
+                      spools=spools)
+        expect(dc, r)
+        placed.append((r, dc, pool))
+    for r, _, _ in placed:
+        submit_all(pcs, r)
+    for r, dc, pool in placed:
+        assert dc.wait(r.room, r.group, 30).state is RoomState.SUCCESS
+        assert mismatches(r, pool, spools, "pages", before[id(pool)]) == 0
+    assert dc1.stats()["rooms"] == {"success": 4} and dc2.stats()["rooms"] == {"success": 4}
+    assert [pc.stats()["rooms"] for pc in pcs] == [{"success": 8}] * 2
+
+
+@pytest.mark.parametrize("split", ["layers", "rank0"])
+def test_split_modes_cp4(cluster: Cluster, split: str) -> None:
+    ep, dc, dpool = cluster.receiver()
+    pcs, spools = cluster.group("prefill0", 4, [ep], split=split)
+    for i, p in enumerate(spools):
+        fill_random(p, 20 + i)
+    fill_random(dpool, 3)
+    before = [rows.copy() for rows in dpool.rows]
+    r = make_room(9, "prefill0", 11, 4, prefix=2, chunks=[(0, 5), (5, 11)], dst_start=3, spools=spools)
+    expect(dc, r)
+    submit_all(pcs, r)
+    assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
+    assert mismatches(r, dpool, spools, split, before) == 0
+    copy = state_copy_bytes(dpool)
+    assert _sum_bytes(pcs, "state") == copy
+    skipped = sum(pc.stats()["state_bytes_skipped"] for pc in pcs)
+    assert skipped == (0 if split == "layers" else 3 * copy)
+    kv_by_rank = [pc.stats()["bytes"]["kv"] for pc in pcs]
+    assert sum(kv_by_rank) == 9 * dpool.layout.kv_page_bytes()
+    if split == "rank0":
+        assert kv_by_rank[1:] == [0, 0, 0]
+    else:  # 3 KV layers over 4 ranks: ranks 0..2 own one layer each, rank 3 none
+        assert kv_by_rank[3] == 0 and kv_by_rank[0] == kv_by_rank[1] == kv_by_rank[2] > 0
