@@ -100,6 +100,11 @@ def test_launch_starts_a_working_pair_and_stops_cleanly_on_sigterm(tmp_path: Pat
             p.close()
         for c in [dc, *pcs]:
             c.close()
+        # the README's client example runs against the same daemons
+        ex = subprocess.run([sys.executable, str(ROOT / "scripts" / "client_example.py"), "--config", str(path)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert ex.returncode == 0, ex.stdout + ex.stderr
+        assert "decode: room 2024 success" in ex.stdout and "prefill: success, success" in ex.stdout
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         for pid in pids:  # every child is gone
