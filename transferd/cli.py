@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-flight", type=int, help="rooms in flight at once")
     p.add_argument("--seed", type=int, help="random seed")
     p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-' for stdout)")
+
+    p = sub.add_parser("bench", help="measure the host's limits and transferd side by side")
+    _common(p)
+    p.add_argument("--quick", action="store_true", help="a short run (under a minute on 2 cores)")
+    p.add_argument("--json", metavar="PATH", help="write the results to PATH ('-' for stdout)")
+    p.add_argument("--plot", metavar="PATH.png", help="draw throughput vs size and the de-dup bars (needs matplotlib)")
+    p.add_argument("--repeats", type=int, help="interleaved rounds per measurement (median reported)")
     return ap
 
 
@@ -200,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(cfg, path, json_path=args.json)
+        if args.cmd == "bench":
+            from .bench import run_bench
+
+            return run_bench(cfg, path, quick=args.quick, json_path=args.json, plot_path=args.plot,
+                             repeats=args.repeats)
     except TransferdError as exc:
         log.error("%s", exc)
         return 1
