@@ -15,8 +15,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, LayoutError
 from .layout import ModelSpec, PoolLayout, StateComponent
+from .protocol.checksum import checksum_function
+from .protocol.engine import NAME_RE
 from .protocol.policy import SplitMode
 
 if sys.version_info >= (3, 11):
@@ -35,10 +37,13 @@ def parse_size(value: Any, what: str = "size") -> int:
         if value < 0:
             raise ConfigError(f"{what} must be >= 0, not {value}")
         return value
-    m = _SIZE_RE.match(str(value))
+    m = _SIZE_RE.match(str(value)) if isinstance(value, (str, float)) else None
     if not m:
         raise ConfigError(f"{what}: cannot read {value!r} as a size (examples: 4096, \"64KiB\", \"1MiB\")")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    nbytes = float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()]
+    if not nbytes.is_integer():
+        raise ConfigError(f"{what}: {value!r} is not a whole number of bytes")
+    return int(nbytes)
 
 
 def default_run_dir() -> str:
@@ -66,6 +71,9 @@ class ReceiverConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 5
     bootstrap_timeout_s: float = 120.0
+    stall_timeout_s: float = 60.0
+    max_frame_bytes: int = 64 << 20
+    send_hwm: int = 100_000
 
     def expand(self, s: str, run_dir: str) -> str:
         return s.format(name=self.name, run_dir=run_dir)
@@ -88,6 +96,8 @@ class SenderConfig:
     send_hwm: int = 64
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 5
+    assign_timeout_s: float = 300.0
+    checksum: str = "none"
 
     def expand(self, s: str, run_dir: str) -> str:
         return s.format(group=self.group, rank=self.cp_rank, run_dir=run_dir)
@@ -162,6 +172,18 @@ class Config:
             raise ConfigError(f"sender.max_message_bytes must be >= 4096, not {s.max_message_bytes}")
         if not s.receivers:
             raise ConfigError("sender.receivers is empty: name at least one receiver endpoint")
+        for what, name in (("sender.group", s.group), ("receiver.name", self.receiver.name)):
+            if not NAME_RE.match(name):
+                raise ConfigError(f"{what} {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+        checksum_function(s.checksum)
+        for what, v in (("receiver.stall_timeout_s", self.receiver.stall_timeout_s),
+                        ("receiver.bootstrap_timeout_s", self.receiver.bootstrap_timeout_s),
+                        ("sender.assign_timeout_s", s.assign_timeout_s)):
+            if v <= 0:
+                raise ConfigError(f"{what} must be > 0, not {v}")
+        if self.receiver.max_frame_bytes < s.max_message_bytes:
+            raise ConfigError(f"receiver.max_frame_bytes ({self.receiver.max_frame_bytes}) is below "
+                              f"sender.max_message_bytes ({s.max_message_bytes})")
         for what, v in (("receiver.heartbeat_interval_s", self.receiver.heartbeat_interval_s),
                         ("sender.heartbeat_interval_s", s.heartbeat_interval_s)):
             if v <= 0:
@@ -172,7 +194,7 @@ class Config:
         self.sender_layout()
 
 
-_SIZE_KEYS = {"max_message_bytes", "aux_row_bytes"}
+_SIZE_KEYS = {"max_message_bytes", "aux_row_bytes", "max_frame_bytes"}
 
 
 def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
@@ -224,32 +246,51 @@ def _section(cls: type, data: Mapping[str, Any], section: str, source: str, base
     return replace(base, **values) if base is not None else cls(**values)
 
 
-def _model(data: Mapping[str, Any], where: str) -> ModelSpec:
+_MODEL_TYPES: dict[str, type] = {"name": str, "dtype": str, "page_size": int, "kv_layers": int,
+                                  "kv_format": str, "kv_token_elems": int}
+
+
+def _typed(value: Any, typ: type, what: str) -> Any:
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{what}: {value!r} is not a valid {typ.__name__}")
+    return value
+
+
+def _model(data: Any, where: str) -> ModelSpec:
+    if not isinstance(data, dict):
+        raise ConfigError(f"[model] in {where} must be a table")
     data = dict(data)
     comps = data.pop("state", [])
-    known = {f.name for f in fields(ModelSpec)} - {"state"}
-    for key in data:
+    known = set(_MODEL_TYPES) | {"aux_row_bytes"}
+    for key, value in data.items():
         if key not in known:
             raise ConfigError(f"unknown key {key!r} in [model] of {where} (known: state, {', '.join(sorted(known))})")
-    if "aux_row_bytes" in data:
-        data["aux_row_bytes"] = parse_size(data["aux_row_bytes"], "model.aux_row_bytes")
+        if key == "aux_row_bytes":
+            data[key] = parse_size(value, f"model.aux_row_bytes in {where}")
+        else:
+            _typed(value, _MODEL_TYPES[key], f"model.{key} in {where}")
+    if not isinstance(comps, list):
+        raise ConfigError(f"model.state in {where} must be an array of tables ([[model.state]])")
     states = []
     for i, c in enumerate(comps):
+        at = f"[[model.state]] entry {i} of {where}"
         if not isinstance(c, dict):
-            raise ConfigError(f"[[model.state]] entry {i} of {where} must be a table")
+            raise ConfigError(f"{at} must be a table")
         extra = set(c) - {"name", "layers", "slot_shape", "dtype"}
         if extra:
-            raise ConfigError(f"unknown key {sorted(extra)[0]!r} in [[model.state]] entry {i} of {where} "
-                              "(known: name, layers, slot_shape, dtype)")
-        try:
-            shape = c["slot_shape"]
-            shape = (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
-            states.append(StateComponent(str(c["name"]), int(c["layers"]), shape, str(c.get("dtype", data.get("dtype", "bf16")))))
-        except KeyError as exc:
-            raise ConfigError(f"[[model.state]] entry {i} of {where} lacks {exc.args[0]!r}") from None
+            raise ConfigError(f"unknown key {sorted(extra)[0]!r} in {at} (known: name, layers, slot_shape, dtype)")
+        missing = [k for k in ("name", "layers", "slot_shape") if k not in c]
+        if missing:
+            raise ConfigError(f"{at} lacks {missing[0]!r}")
+        shape = c["slot_shape"]
+        shape = [shape] if not isinstance(shape, list) else shape
+        for x in shape:
+            _typed(x, int, f"slot_shape of {at}")
+        states.append(StateComponent(_typed(c["name"], str, f"name of {at}"), _typed(c["layers"], int, f"layers of {at}"),
+                                     tuple(shape), _typed(c.get("dtype", data.get("dtype", "bf16")), str, f"dtype of {at}")))
     try:
         return ModelSpec(state=tuple(states), **data)
-    except TypeError as exc:
+    except LayoutError as exc:
         raise ConfigError(f"[model] of {where}: {exc}") from None
 
 
@@ -310,11 +351,6 @@ def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> Confi
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
     return from_mapping(data, str(p), env)
-
-
-def default_config_path() -> Path:
-    """``configs/local.toml`` shipped inside the package (also at the repository root)."""
-    return Path(__file__).with_name("configs") / "local.toml"
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class ProtocolError(TransferdError):
 
 class VersionMismatch(ProtocolError):
     code = "version"
+    msg_type: str = ""  # the message type whose version did not match
 
 
 class DecodeError(ProtocolError):

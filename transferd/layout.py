@@ -153,6 +153,15 @@ class PoolLayout:
             by_kind[b.kind].append(i)
         if len(by_kind["aux"]) != 1:
             raise LayoutError(f"a layout needs exactly one aux buffer, found {len(by_kind['aux'])}")
+        aux = self.buffers[by_kind["aux"][0]]
+        if aux.row_bytes < 8:
+            raise LayoutError(f"the aux row must hold at least the 8-byte room id guard, not {aux.row_bytes} bytes")
+        rows: dict[tuple[str, str], int] = {}
+        for b in self.buffers:
+            key = (b.kind, "" if b.kind == "kv" else b.component)
+            if rows.setdefault(key, b.rows) != b.rows:
+                raise LayoutError(f"buffer {b.name!r} has {b.rows} rows, other {key[0]} buffers of "
+                                  f"{key[1] or 'the pool'} have {rows[key]}")
         self._by_kind.update({k: tuple(v) for k, v in by_kind.items()})
 
     # -- derived views -------------------------------------------------------------------
@@ -219,19 +228,31 @@ class PoolLayout:
             if data["v"] != LAYOUT_VERSION:
                 raise LayoutError(f"layout version {data['v']} is not {LAYOUT_VERSION}")
             bufs = tuple(
-                BufferSpec(str(n), k, int(layer), str(c), str(dt), tuple(int(x) for x in shape), int(rows))
+                BufferSpec(_s(n), _s(k), _i(layer), _s(c), _s(dt), tuple(_i(x) for x in shape), _i(rows))  # type: ignore[arg-type]
                 for n, k, layer, c, dt, shape, rows in data["buffers"]
             )
-            out = cls(model=str(data["model"]), page_size=int(data["page_size"]), buffers=bufs)
+            out = cls(model=_s(data["model"]), page_size=_i(data["page_size"]), buffers=bufs)
         except LayoutError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise LayoutError(f"malformed layout description: {exc!r}") from None
         for b in out.buffers:
             dtype_size(b.dtype)
             if b.rows < 0 or not b.shape or min(b.shape) < 1:
                 raise LayoutError(f"buffer {b.name!r} has a bad shape {b.shape} or rows {b.rows}")
         return out
+
+
+def _i(x: Any) -> int:
+    if type(x) is not int:
+        raise TypeError(f"expected an integer, got {x!r}")
+    return x
+
+
+def _s(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {x!r}")
+    return x
 
 
 def layout_difference(a: PoolLayout, b: PoolLayout, a_name: str = "sender", b_name: str = "receiver") -> str | None:

@@ -131,11 +131,13 @@ class Pool:
                 raise PoolError(f"pool {name!r}: header fingerprint does not match its layout")
             offsets = []
             off = data_off
+            end = data_off
             for b in layout.buffers:
                 offsets.append(off)
-                off = _align(off + b.nbytes)
-            if off > _align(size) or data_off < _HDR.size + desc_len:
-                raise PoolError(f"pool {name!r}: layout needs {off} bytes, file has {size}")
+                end = off + b.nbytes
+                off = _align(end)
+            if end > size or data_off < _HDR.size + desc_len:
+                raise PoolError(f"pool {name!r}: layout needs {end} bytes, file has {size}")
         except (PoolError, LayoutError):
             mm.close()
             raise

@@ -16,7 +16,7 @@ import random
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -24,16 +24,21 @@ import zmq
 from .accounting import Accounting
 from .agent import AgentBase
 from .config import Config
-from .errors import RoomExists, TransferdError, UnknownRoom
+from .errors import RoomExists, TransferdError, UnknownRoom, VersionMismatch
 from .layout import KINDS, PoolLayout, layout_difference
 from .pool import Pool
+from .protocol.checksum import checksum_function
+from .protocol.engine import NAME_RE
+from .protocol.engine import ints as _ints
+from .protocol.engine import nonempty_str as _str
+from .protocol.engine import slot_map
+from .protocol.engine import u64 as _u64
 from .protocol.messages import (
     Assign, Data, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
 )
 from .protocol.policy import SplitMode
 from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance
-from .protocol.engine import ints as _ints, nonempty_str as _str, slot_map, u64 as _u64
-from .transport import LocalApiServer, configure
+from .transport import LocalApiServer, configure, send_nowait
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,8 @@ class Peer:
     host: str
     registered_at: float
     last_seen: float
+    epoch: int = 0
+    checksum: Callable[[Any], int] | None = None
 
 
 @dataclass(slots=True)
@@ -70,6 +77,7 @@ class DecodeRoom:
     assigned: dict[int, bytes] = field(default_factory=dict)
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     finished: float = 0.0
+    last_progress: float = 0.0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -114,9 +122,10 @@ class Receiver(AgentBase):
         self.router = self.ctx.socket(zmq.ROUTER)
         configure(self.router)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.MAXMSGSIZE, self.rcfg.max_frame_bytes)  # bigger: peer disconnected
+        self.router.setsockopt(zmq.SNDHWM, self.rcfg.send_hwm)
         self.router.bind(self.rcfg.bind)
         self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._sync = zmq.Socket.shadow(self.router.underlying)
         self.api = LocalApiServer(self.ctx, self.cfg.receiver_engine_socket(), {
             "expect": self._api_expect, "poll": self._api_poll, "wait": self._api_wait,
             "abort": self._api_abort, "release": self._api_release, "stats": lambda r: self.stats(),
@@ -142,18 +151,18 @@ class Receiver(AgentBase):
             self.pool.close()
 
     # -- sending -------------------------------------------------------------------------
-    def _send(self, ident: bytes, msg: Any) -> bool:
-        try:
-            self._sync.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as exc:
-            self.acct.dropped[f"send_{zmq.strerror(exc.errno).replace(' ', '_').lower()}"] += 1
+    def _send(self, ident: bytes, msg: Any) -> None:
+        def dropped(exc: BaseException) -> None:
+            err = zmq.strerror(exc.errno) if isinstance(exc, zmq.ZMQError) else type(exc).__name__
+            self.acct.dropped[f"send_{err.replace(' ', '_').lower()}"] += 1
             log.warning("%s: could not send %s to %r: %s", self.name, type(msg).__name__, ident, exc)
-            return False
+
+        send_nowait(self.router, [ident, encode(msg)], dropped)
 
     # -- network input -------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         sock = self.router
+        n = 0
         while True:
             frames = await sock.recv_multipart(copy=False)
             try:
@@ -161,6 +170,9 @@ class Receiver(AgentBase):
             except Exception:  # a bug must not take the receiver down with every room
                 log.exception("%s: error while handling a message", self.name)
                 self.acct.refused["internal_error"] += 1
+            n += 1
+            if n % 64 == 0:
+                await asyncio.sleep(0)  # a ready socket never yields by itself: let timers and the engine API run
 
     def _refuse(self, code: str, why: str, ident: bytes = b"") -> None:
         self.acct.refused[code] += 1
@@ -175,6 +187,8 @@ class Receiver(AgentBase):
             msg = decode_header(frames[1].buffer)
         except TransferdError as exc:
             self._refuse(exc.code, str(exc), ident)
+            if isinstance(exc, VersionMismatch) and exc.msg_type == "register":
+                self._send(ident, Registered(False, str(exc), self.rcfg.name, self.incarnation))
             return
         peer = self.peers.get(ident)
         if peer is not None:
@@ -199,6 +213,8 @@ class Receiver(AgentBase):
                                          self.incarnation, retry=True))
         elif isinstance(msg, Ping):
             self._send(ident, Pong(msg.seq))
+        elif isinstance(msg, Pong):
+            pass  # last_seen is already updated
         elif isinstance(msg, Done):
             self._on_done(peer, msg)
         elif isinstance(msg, Fail):
@@ -213,8 +229,12 @@ class Receiver(AgentBase):
 
         try:
             split = SplitMode.parse(msg.split)
+            checksum = checksum_function(msg.checksum)
         except TransferdError as exc:
-            refuse(str(exc), "bad_split")
+            refuse(str(exc), "bad_settings")
+            return
+        if not NAME_RE.match(msg.group):
+            refuse(f"group name {msg.group[:80]!r} must be 1-64 letters, digits, '_', '.', '-'", "bad_settings")
             return
         if msg.rank >= msg.cp_size:
             refuse(f"rank {msg.rank} is outside cp_size {msg.cp_size}", "bad_rank")
@@ -240,6 +260,14 @@ class Receiver(AgentBase):
             group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split)
         old_ident = group.ranks.get(msg.rank)
         now = time.monotonic()
+        known = self.peers.get(ident)
+        if known is not None and msg.epoch > known.epoch:
+            reason = (f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and "
+                      f"registered again")
+            log.warning("%s: %s", self.name, reason)
+            for room in self._rooms_of(msg.group):
+                if room.assigned.get(msg.rank) == ident:
+                    self._finish(room, RoomStatus(RoomState.FAILED, "peer_lost", reason))
         if old_ident is not None and old_ident != ident:
             old = self.peers.pop(old_ident, None)
             reason = (f"prefill {msg.group} rank {msg.rank} restarted (incarnation "
@@ -249,7 +277,8 @@ class Receiver(AgentBase):
                 if room.assigned.get(msg.rank) == old_ident:
                     self._finish(room, RoomStatus(RoomState.FAILED, "peer_restarted", reason))
         group.ranks[msg.rank] = ident
-        self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now)
+        self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
+                                 msg.epoch, checksum)
         self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation))
         log.info("%s: registered %s rank %d/%d (%s, incarnation %x, pid %d on %s)", self.name, msg.group,
                  msg.rank, msg.cp_size, split.value, msg.incarnation, msg.pid, msg.host)
@@ -283,6 +312,14 @@ class Receiver(AgentBase):
             self._reject_frame(room, peer, "length_mismatch",
                                f"payload of {len(payload)} bytes for {msg.count} rows of {row_bytes} bytes")
             return
+        if peer.checksum is not None:
+            if msg.checksum is None:
+                self._reject_frame(room, peer, "checksum", "data frame without the checksum its sender announced")
+                return
+            if peer.checksum(payload) != msg.checksum:
+                self._reject_frame(room, peer, "checksum", f"payload checksum mismatch in buffer {msg.buffer} "
+                                                           f"rows [{msg.pos}, {msg.pos + msg.count})")
+                return
         if msg.kind == 2:
             guard = int(np.frombuffer(payload, dtype=AUX_GUARD, count=1)[0])
             if guard != room.req.room:
@@ -300,6 +337,7 @@ class Receiver(AgentBase):
         else:
             self.pool.rows[msg.buffer][rows] = src
         self.acct.add(self._kind_of[msg.buffer], len(payload))
+        room.last_progress = time.monotonic()
         if room.status.state is not RoomState.TRANSFERRING:
             room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
         if tracker.complete:
@@ -318,6 +356,7 @@ class Receiver(AgentBase):
             self._refuse("wrong_peer", f"done for room {room.key} from a peer not assigned to it", peer.ident)
             return
         assert room.tracker is not None
+        room.last_progress = time.monotonic()
         problem = room.tracker.rank_done(peer.rank)
         if problem:
             self._finish(room, RoomStatus(RoomState.FAILED, "incomplete", f"{peer.group} {problem}"))
@@ -343,6 +382,7 @@ class Receiver(AgentBase):
                                  req.state, req.aux_slot))
         if len(room.assigned) == group.cp_size:
             room.status = advance(room.status, RoomStatus(RoomState.WAITING))
+            room.last_progress = time.monotonic()
 
     def _finish(self, room: DecodeRoom, status: RoomStatus) -> None:
         new = advance(room.status, status)
@@ -366,19 +406,38 @@ class Receiver(AgentBase):
         room.waiters.clear()
 
     async def _tick_loop(self) -> None:
+        """Heartbeats and the room clocks. Three separate clocks: a sender silent for
+        ``interval × misses`` is lost (liveness); a room whose group has not registered every rank
+        within ``bootstrap_timeout_s`` fails (queueing for the prefill side); a transferring room
+        with no frame for ``stall_timeout_s`` fails (progress; every frame resets it)."""
         interval = self.rcfg.heartbeat_interval_s
         deadline = interval * self.rcfg.heartbeat_misses
+        seq = 0
         while True:
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
-            for peer in [p for p in self.peers.values() if now - p.last_seen > deadline]:
-                self._peer_lost(peer, f"prefill {peer.group} rank {peer.rank} (pid {peer.pid} on {peer.host}) "
-                                      f"missed heartbeats for {now - peer.last_seen:.1f}s")
+            seq += 1
+            for peer in list(self.peers.values()):
+                if now - peer.last_seen > deadline:
+                    self._peer_lost(peer, f"prefill {peer.group} rank {peer.rank} (pid {peer.pid} on {peer.host}) "
+                                          f"missed heartbeats for {now - peer.last_seen:.1f}s")
+                elif seq % 2 == 0:
+                    self._send(peer.ident, Ping(seq))
             for room in list(self.rooms.values()):
-                if room.status.state is RoomState.BOOTSTRAPPING and now - room.created > self.rcfg.bootstrap_timeout_s:
-                    self._finish(room, RoomStatus(RoomState.FAILED, "bootstrap_timeout",
-                                                  f"prefill group {room.req.group} did not register all ranks within "
-                                                  f"{self.rcfg.bootstrap_timeout_s:g}s"))
+                st = room.status.state
+                if st.terminal:
+                    continue
+                if room.tracker is None or len(room.assigned) < room.tracker.cp_size:
+                    if now - room.created > self.rcfg.bootstrap_timeout_s:
+                        have = sorted(room.assigned)
+                        self._finish(room, RoomStatus(RoomState.FAILED, "bootstrap_timeout",
+                                                      f"prefill group {room.req.group} did not register all ranks "
+                                                      f"within {self.rcfg.bootstrap_timeout_s:g}s (assigned: {have})"))
+                elif st is RoomState.TRANSFERRING and now - room.last_progress > self.rcfg.stall_timeout_s:
+                    waiting = [r for r in range(room.tracker.cp_size) if r not in room.tracker.done]
+                    self._finish(room, RoomStatus(RoomState.FAILED, "stalled",
+                                                  f"no data for {now - room.last_progress:.1f}s; ranks not done: "
+                                                  f"{waiting}"))
 
     def _peer_lost(self, peer: Peer, reason: str) -> None:
         log.warning("%s: %s", self.name, reason)
@@ -386,6 +445,11 @@ class Receiver(AgentBase):
         group = self.groups.get(peer.group)
         if group is not None and group.ranks.get(peer.rank) == peer.ident:
             del group.ranks[peer.rank]
+            if not group.ranks:  # a group that comes back may have other settings (cp_size, split)
+                del self.groups[peer.group]
+                for room in self._rooms_of(peer.group):
+                    if not room.assigned:
+                        room.tracker = None
         for room in self._rooms_of(peer.group):
             if room.assigned.get(peer.rank) == peer.ident:
                 self._finish(room, RoomStatus(RoomState.FAILED, "peer_lost", reason))
@@ -408,7 +472,7 @@ class Receiver(AgentBase):
         return room.status
 
     def _room(self, req: dict[str, Any]) -> DecodeRoom:
-        key = (str(req["group"]), int(req["room"]))
+        key = (_str(req["group"], "group"), _u64(req["room"], "room"))
         room = self.rooms.get(key)
         if room is None:
             raise UnknownRoom(f"room {key[0]}/{key[1]} is not held by receiver {self.rcfg.name}")
@@ -451,13 +515,16 @@ class Receiver(AgentBase):
         return self._room(r).status.to_wire()
 
     async def _api_wait(self, r: dict[str, Any]) -> dict[str, str]:
-        return (await self.wait(str(r["group"]), int(r["room"]), float(r.get("timeout_s", 60.0)))).to_wire()
+        room = self._room(r)
+        return (await self.wait(room.req.group, room.req.room, float(r.get("timeout_s", 60.0)))).to_wire()
 
     def _api_abort(self, r: dict[str, Any]) -> dict[str, str]:
-        return self.abort(str(r["group"]), int(r["room"]), str(r.get("reason", ""))).to_wire()
+        room = self._room(r)
+        return self.abort(room.req.group, room.req.room, str(r.get("reason", ""))).to_wire()
 
     def _api_release(self, r: dict[str, Any]) -> dict[str, str]:
-        return self.release(str(r["group"]), int(r["room"])).to_wire()
+        room = self._room(r)
+        return self.release(room.req.group, room.req.room).to_wire()
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

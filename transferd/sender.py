@@ -28,13 +28,14 @@ from .config import Config
 from .errors import BadRequest, IndexOutOfRange, TransferdError, UnknownRoom
 from .layout import PoolLayout, layout_difference
 from .pool import Pool
+from .protocol.checksum import checksum_function
 from .protocol.engine import ints, slot_map, u64
 from .protocol.messages import (
     Assign, Data, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
 )
 from .protocol.policy import RankPlan, SplitMode, rank_plan
 from .protocol.room import RoomState, RoomStatus, advance
-from .transport import LocalApiServer, configure
+from .transport import LocalApiServer, configure, send_nowait
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +46,13 @@ TERMINAL_RETENTION = 100_000
 class Conn:
     endpoint: str
     sock: zmq.asyncio.Socket
-    sync: zmq.Socket[Any]
     state: str = "registering"  # registering | registered | refused
     receiver: str = ""
     receiver_inc: int = 0
     reason: str = ""
     last_heard: float = 0.0
     last_register: float = 0.0
-    ping_seq: int = 0
+    epoch: int = 0
 
 
 @dataclass(slots=True)
@@ -71,6 +71,7 @@ class Chunk:
 @dataclass(slots=True)
 class SendRoom:
     room: int
+    created: float = field(default_factory=time.monotonic)
     status: RoomStatus = field(default_factory=lambda: RoomStatus(RoomState.BOOTSTRAPPING))
     conn: Conn | None = None
     assign: Assign | None = None
@@ -109,7 +110,9 @@ class SenderAgent(AgentBase):
         self.incarnation = random.getrandbits(63)
         self.acct = Accounting()
         self.conns: list[Conn] = []
-        self.rooms: collections.OrderedDict[int, SendRoom] = collections.OrderedDict()
+        self.rooms: dict[int, SendRoom] = {}  # live rooms
+        self.ended: collections.OrderedDict[int, SendRoom] = collections.OrderedDict()  # the last terminal ones
+        self.checksum = checksum_function(s.checksum)
         self.engine_endpoint = ""
         self._kv0 = self.layout.indices("kv")[0] if self.layout.indices("kv") else None
 
@@ -133,7 +136,7 @@ class SenderAgent(AgentBase):
             configure(sock, hwm=self.scfg.send_hwm)
             sock.setsockopt(zmq.IDENTITY, ident)
             sock.connect(ep)
-            conn = Conn(ep, sock, zmq.Socket.shadow(sock.underlying))
+            conn = Conn(ep, sock)
             self.conns.append(conn)
             self._register(conn)
             self.spawn(self._recv_loop(conn), f"recv {ep}")
@@ -165,17 +168,15 @@ class SenderAgent(AgentBase):
         conn.last_register = time.monotonic()
         self._send_ctrl(conn, Register(self.group, self.rank, self.cp_size, self.split.value,
                                        self.layout.fingerprint(), self.layout.to_wire(), self.incarnation,
-                                       os.getpid(), socket.gethostname()))
+                                       os.getpid(), socket.gethostname(), conn.epoch, self.scfg.checksum))
 
-    def _send_ctrl(self, conn: Conn, msg: Any) -> bool:
+    def _send_ctrl(self, conn: Conn, msg: Any) -> None:
         """Small control message, never blocking the loop (dropped and counted if the pipe is full)."""
-        try:
-            conn.sync.send(encode(msg), flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as exc:
+        def dropped(exc: BaseException) -> None:
             self.acct.dropped[f"ctrl_{type(msg).__name__.lower()}"] += 1
             log.debug("%s: %s to %s not sent: %s", self.name, type(msg).__name__, conn.endpoint, exc)
-            return False
+
+        send_nowait(conn.sock, [encode(msg)], dropped)
 
     # -- network input -------------------------------------------------------------------
     async def _recv_loop(self, conn: Conn) -> None:
@@ -201,6 +202,8 @@ class SenderAgent(AgentBase):
             return
         if isinstance(msg, Registered):
             self._on_registered(conn, msg)
+        elif isinstance(msg, Ping):
+            self._send_ctrl(conn, Pong(msg.seq))
         elif isinstance(msg, Pong):
             pass
         elif conn.state != "registered":
@@ -233,6 +236,12 @@ class SenderAgent(AgentBase):
 
     def _on_assign(self, conn: Conn, msg: Assign) -> None:
         room = self.rooms.get(msg.room)
+        ended = self.ended.get(msg.room)
+        if room is None and ended is not None and ended.assign is None:
+            # the prefill engine aborted (or the queue clock failed) this room before any receiver expected it
+            self._send_reliable(conn, Fail(msg.tok, ended.status.code or "aborted",
+                                           f"room already ended on the prefill side: {ended.status.reason}"))
+            return
         if room is not None and room.assign is not None:
             if room.assign.tok == msg.tok:
                 return
@@ -244,10 +253,6 @@ class SenderAgent(AgentBase):
             return
         if room is None:
             room = self._new_room(msg.room)
-        if room.status.state.terminal:
-            self._send_ctrl(conn, Fail(msg.tok, room.status.code or "aborted",
-                                       f"room already ended on the prefill side: {room.status.reason}"))
-            return
         missing = [c for c in msg.state if c not in self.layout.state_components]
         if missing:
             self._fail_assigned(room, conn, msg, "bad_assign", f"assignment names unknown state component {missing[0]!r}")
@@ -275,40 +280,48 @@ class SenderAgent(AgentBase):
         self._set_terminal(room, RoomStatus(state, msg.code, msg.reason))
 
     def _conn_lost(self, conn: Conn, reason: str) -> None:
+        """Give a receiver up: fail its rooms here, tell it (if it can still hear), register anew
+        under a higher epoch so that it ends those rooms too."""
         log.warning("%s: %s", self.name, reason)
         for room in list(self.rooms.values()):
-            if room.conn is conn and not room.status.state.terminal:
-                self._set_terminal(room, RoomStatus(RoomState.FAILED, "peer_lost", reason))
+            if room.conn is conn:
+                self._fail(room, "peer_lost", reason, reliable=False)
+        conn.epoch += 1
+        conn.state = "registering"
+        self._register(conn)
 
     async def _tick_loop(self) -> None:
+        """The receiver pings every connection; a receiver silent for ``interval × misses`` is
+        lost. Rooms no receiver has expected within ``assign_timeout_s`` fail (the queueing
+        clock, separate from the receiver's stall clock)."""
         interval = self.scfg.heartbeat_interval_s
         deadline = interval * self.scfg.heartbeat_misses
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval / 2)
             now = time.monotonic()
             for conn in self.conns:
                 if conn.state == "registered":
                     if now - conn.last_heard > deadline:
                         self._conn_lost(conn, f"receiver {conn.receiver} at {conn.endpoint} missed heartbeats "
                                               f"for {now - conn.last_heard:.1f}s")
-                        conn.state = "registering"
-                        self._register(conn)
-                    else:
-                        conn.ping_seq += 1
-                        self._send_ctrl(conn, Ping(conn.ping_seq))
                 elif conn.state == "registering" and now - conn.last_register > interval:
                     self._register(conn)
+                elif conn.state == "refused" and now - conn.last_register > 10 * interval:
+                    self._register(conn)  # the receiver's view of the group may have changed
+            for room in list(self.rooms.values()):
+                if room.assign is None and now - room.created > self.scfg.assign_timeout_s:
+                    self._fail(room, "assign_timeout", f"no receiver expected room {room.room} within "
+                                                       f"{self.scfg.assign_timeout_s:g}s")
 
     # -- rooms ---------------------------------------------------------------------------
     def _new_room(self, room_id: int) -> SendRoom:
         room = SendRoom(room_id)
         self.rooms[room_id] = room
-        while len(self.rooms) > TERMINAL_RETENTION:
-            oldest = next(iter(self.rooms.values()))
-            if not oldest.status.state.terminal:
-                break
-            self.rooms.popitem(last=False)
+        self.ended.pop(room_id, None)
         return room
+
+    def _lookup(self, room_id: int) -> SendRoom | None:
+        return self.rooms.get(room_id) or self.ended.get(room_id)
 
     def _set_terminal(self, room: SendRoom, status: RoomStatus) -> None:
         new = advance(room.status, status)
@@ -316,6 +329,11 @@ class SenderAgent(AgentBase):
             return
         room.status = new
         room.chunks.clear()
+        if self.rooms.get(room.room) is room:
+            del self.rooms[room.room]
+            self.ended[room.room] = room
+            while len(self.ended) > TERMINAL_RETENTION:
+                self.ended.popitem(last=False)
         self.acct.rooms[new.state.value] += 1
         if new.state is RoomState.FAILED:
             self.acct.failures[new.code] += 1
@@ -325,13 +343,24 @@ class SenderAgent(AgentBase):
                 fut.set_result(None)
         room.waiters.clear()
 
-    def _fail(self, room: SendRoom, code: str, reason: str) -> None:
+    def _fail(self, room: SendRoom, code: str, reason: str, *, reliable: bool = True) -> None:
         """A prefill-side failure: end the room here and tell the receiver at once."""
         if room.status.state.terminal:
             return
         self._set_terminal(room, RoomStatus(RoomState.FAILED, code, reason))
         if room.conn is not None and room.assign is not None:
-            self._send_ctrl(room.conn, Fail(room.assign.tok, code, reason))
+            msg = Fail(room.assign.tok, code, reason)
+            if reliable:
+                self._send_reliable(room.conn, msg)
+            else:
+                self._send_ctrl(room.conn, msg)
+
+    def _send_reliable(self, conn: Conn, msg: Any) -> None:
+        """A control message that must not be dropped: queued behind the data (backpressure)."""
+        async def send() -> None:
+            await conn.sock.send(encode(msg))
+
+        self.spawn(send(), f"send {type(msg).__name__}")
 
     def _pump(self, room: SendRoom) -> None:
         if room.assign is not None and room.chunks and not room.sending and not room.status.state.terminal:
@@ -378,8 +407,9 @@ class SenderAgent(AgentBase):
     async def _send(self, room: SendRoom, kind: int, buffer: int, pos: int, count: int, src_row: int) -> None:
         assert room.conn is not None and room.assign is not None and self.pool is not None
         payload = self.pool.rows[buffer][src_row:src_row + count]
+        csum = self.checksum(payload) if self.checksum is not None else None
         await room.conn.sock.send_multipart(
-            [encode(Data(room.assign.tok, kind, buffer, pos, count)), payload], copy=False)
+            [encode(Data(room.assign.tok, kind, buffer, pos, count, csum)), payload], copy=False)
         self.acct.add(("kv", "state", "aux")[kind], payload.nbytes)
 
     async def _send_runs(self, room: SendRoom, kind: int, buffers: tuple[int, ...], src: np.ndarray,
@@ -429,8 +459,9 @@ class SenderAgent(AgentBase):
         chunk also names the state slots and the aux slot. Every index is checked first."""
         assert self.pool is not None
         room = self.rooms.get(room_id)
-        if room is not None and room.status.state.terminal:
-            raise BadRequest(f"room {room_id} already ended ({room.status.state.value}: {room.status.reason})")
+        ended = self.ended.get(room_id)
+        if room is None and ended is not None and start != 0:
+            raise BadRequest(f"room {room_id} already ended ({ended.status.state.value}: {ended.status.reason})")
         if room is not None and room.last_submitted:
             raise BadRequest(f"room {room_id} already had its last chunk")
         expected = room.next_start if room is not None else 0
@@ -473,13 +504,13 @@ class SenderAgent(AgentBase):
         return room.status
 
     def _get(self, room_id: int) -> SendRoom:
-        room = self.rooms.get(room_id)
+        room = self._lookup(room_id)
         if room is None:
             raise UnknownRoom(f"room {room_id} is not known to {self.name}")
         return room
 
     def abort(self, room_id: int, reason: str = "") -> RoomStatus:
-        room = self.rooms.get(room_id) or self._new_room(room_id)
+        room = self._lookup(room_id) or self._new_room(room_id)
         self._fail(room, "aborted", reason or "aborted by the prefill engine")
         return room.status
 
@@ -520,7 +551,7 @@ class SenderAgent(AgentBase):
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         by_state: dict[str, int] = {}
-        for room in self.rooms.values():
+        for room in (*self.rooms.values(), *self.ended.values()):
             by_state[room.status.state.value] = by_state.get(room.status.state.value, 0) + 1
         return {
             "role": "sender", "group": self.group, "rank": self.rank, "cp_size": self.cp_size,

@@ -49,6 +49,27 @@ def configure(sock: zmq.Socket[Any], *, hwm: int = 0) -> None:
         sock.setsockopt(zmq.RCVHWM, hwm)
 
 
+def send_nowait(sock: zmq.asyncio.Socket, frames: list[Any], on_drop: Callable[[BaseException], None]) -> None:
+    """Send without waiting and without blocking the loop; ``on_drop`` hears of a message that
+    could not be queued (pipe full, peer unknown).
+
+    Always through the asyncio socket itself: a plain (shadow) socket operation would consume
+    ZeroMQ's edge-triggered readiness signal behind the asyncio socket's back and leave a
+    pending ``recv`` asleep forever.
+    """
+    fut = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def done(f: asyncio.Future[Any]) -> None:
+        exc = None if f.cancelled() else f.exception()
+        if exc is not None:
+            on_drop(exc)
+
+    if fut.done():
+        done(fut)
+    else:
+        fut.add_done_callback(done)
+
+
 Handler = Callable[[dict[str, Any]], Any]
 
 
@@ -102,9 +123,15 @@ class LocalApiServer:
             except TransferdError as exc:
                 await self._reply(ident, {"id": rid, "ok": False, "code": exc.code, "error": str(exc)})
                 continue
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
+                self.refused += 1
                 await self._reply(ident, {"id": rid, "ok": False, "code": "bad_request",
                                           "error": f"{req['op']}: bad arguments: {type(exc).__name__}: {exc}"})
+                continue
+            except Exception as exc:  # a bug in one request must not take the daemon down
+                log.exception("%s: engine request %r failed", self.name, req.get("op"))
+                await self._reply(ident, {"id": rid, "ok": False, "code": "internal",
+                                          "error": f"{req['op']}: internal error: {type(exc).__name__}: {exc}"})
                 continue
             if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
                 t = asyncio.ensure_future(self._finish(ident, rid, result))
@@ -118,6 +145,10 @@ class LocalApiServer:
             result = await aw
         except TransferdError as exc:
             await self._reply(ident, {"id": rid, "ok": False, "code": exc.code, "error": str(exc)})
+        except Exception as exc:
+            log.exception("%s: engine request failed", self.name)
+            await self._reply(ident, {"id": rid, "ok": False, "code": "internal",
+                                      "error": f"internal error: {type(exc).__name__}: {exc}"})
         else:
             await self._reply(ident, {"id": rid, "ok": True, "result": result})
 

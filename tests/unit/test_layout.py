@@ -234,12 +234,6 @@ def test_malformed_wire_is_layout_error(wire: Any) -> None:
         PoolLayout.from_wire(wire)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="BUG layout.py:228: from_wire catches KeyError/TypeError/ValueError but int(inf) raises "
-           "OverflowError, which escapes (a peer's register layout can crash the handler)",
-)
 @pytest.mark.parametrize("slot", [2, 6])  # layer, rows
 def test_malformed_wire_infinite_number_is_layout_error(slot: int) -> None:
     w = _wire()
@@ -322,3 +316,31 @@ def test_dtype_table_is_consistent() -> None:
 
     for name, (size, np_name, _torch_name) in DTYPES.items():
         assert np.dtype(np_name).itemsize == size, name
+
+
+def test_pool_layout_rows_consistent_per_kind_and_component() -> None:
+    aux = BufferSpec("aux", "aux", 0, "aux", "uint8", (8,), 1)
+    k0 = BufferSpec("kv.k.L0", "kv", 0, "k", "bf16", (4,), 5)
+    v0 = BufferSpec("kv.v.L0", "kv", 0, "v", "bf16", (4,), 6)   # KV buffers share the page count
+    with pytest.raises(LayoutError, match="'kv.v.L0' has 6 rows"):
+        PoolLayout("m", 4, (k0, v0, aux))
+    a0 = BufferSpec("state.a.L0", "state", 0, "a", "fp32", (2,), 3)
+    a1 = BufferSpec("state.a.L1", "state", 1, "a", "fp32", (2,), 4)
+    with pytest.raises(LayoutError, match="'state.a.L1' has 4 rows"):
+        PoolLayout("m", 4, (a0, a1, aux))
+    # different components may have different slot counts
+    b0 = BufferSpec("state.b.L0", "state", 0, "b", "fp32", (2,), 9)
+    lay = PoolLayout("m", 4, (k0, a0, b0, aux))
+    assert (lay.rows_of("state", "a"), lay.rows_of("state", "b")) == (3, 9)
+
+
+def test_pool_layout_aux_row_holds_the_room_guard() -> None:
+    with pytest.raises(LayoutError, match="8-byte room id guard"):
+        PoolLayout("m", 4, (BufferSpec("aux", "aux", 0, "aux", "uint8", (7,), 1),))
+
+
+def test_wire_with_inconsistent_rows_refused() -> None:
+    w = _wire()
+    w["buffers"][1][6] += 1  # kv.v.L0 gets one page more than kv.k.L0
+    with pytest.raises(LayoutError, match="rows"):
+        PoolLayout.from_wire(w)

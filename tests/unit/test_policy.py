@@ -301,12 +301,6 @@ def test_bad_rank_or_cp_size(split: SplitMode, cp_size: int, rank: int) -> None:
         rank_plan(LAYOUT, cp_size, rank, split, 10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG policy.py:104: the rank0 / cp_size==1 branch of rank_plan never validates rank or "
-           "cp_size, so a rank outside the group gets an (empty) plan instead of an error",
-)
 @pytest.mark.parametrize(
     ("cp_size", "rank", "split"),
     [(8, 8, RANK0), (8, -1, RANK0), (0, 0, RANK0), (1, 5, PAGES), (1, 1, LAYERS)],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import BadRequest
@@ -19,9 +20,18 @@ def nonempty_str(v: Any, what: str) -> str:
     return v
 
 
+ROW_LIMIT = 1 << 62
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+"""Group and receiver names: they travel in ZeroMQ identities and log lines."""
+
+
 def ints(v: Any, what: str) -> tuple[int, ...]:
+    """A list of row indices: non-negative ints small enough to index any pool."""
     if not isinstance(v, (list, tuple)) or not all(type(x) is int for x in v):
         raise BadRequest(f"{what} must be a list of integers")
+    for x in v:
+        if not 0 <= x < ROW_LIMIT:
+            raise BadRequest(f"{what}: index {x} is negative or absurdly large")
     return tuple(v)
 
 

@@ -76,11 +76,17 @@ class Register:
     incarnation: int
     pid: int = 0
     host: str = ""
+    epoch: int = 0
+    """Bumped each time the sender gives this receiver up for lost; a higher epoch from the same
+    identity ends the rooms the old connection had."""
+    checksum: str = "none"
+    """Per-frame checksum this sender appends to data headers: ``none``, ``xxh3`` or ``crc32``."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "group": self.group, "rank": self.rank,
                 "cp_size": self.cp_size, "split": self.split, "fp": self.fingerprint,
-                "layout": self.layout, "inc": self.incarnation, "pid": self.pid, "host": self.host}
+                "layout": self.layout, "inc": self.incarnation, "pid": self.pid, "host": self.host,
+                "epoch": self.epoch, "checksum": self.checksum}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Register:
@@ -89,7 +95,8 @@ class Register:
                    cp_size=_int(d, "cp_size", w, 1, 1 << 16), split=_req(d, "split", str, w),
                    fingerprint=_req(d, "fp", str, w), layout=_req(d, "layout", dict, w),
                    incarnation=_int(d, "inc", w), pid=_int(d, "pid", w, 0, 1 << 32),
-                   host=_req(d, "host", str, w))
+                   host=_req(d, "host", str, w), epoch=_int(d, "epoch", w),
+                   checksum=_req(d, "checksum", str, w))
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +167,14 @@ class Data:
     buffer: int
     pos: int
     count: int
+    checksum: int | None = None
+    """Checksum of the payload (algorithm announced at registration), when enabled."""
 
     def header(self) -> list[int]:
-        return [DATA_TAG, self.tok, self.kind, self.buffer, self.pos, self.count]
+        h = [DATA_TAG, self.tok, self.kind, self.buffer, self.pos, self.count]
+        if self.checksum is not None:
+            h.append(self.checksum)
+        return h
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,13 +294,14 @@ def decode_header(frame: bytes | memoryview) -> Message:
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise DecodeError(f"malformed msgpack header: {type(exc).__name__}: {exc}") from None
     if isinstance(obj, list):
-        if len(obj) != 6 or obj[0] != DATA_TAG or not all(type(x) is int for x in obj):
-            raise DecodeError("data header must be [1, tok, kind, buffer, pos, count] of ints")
-        _, tok, kind, buf, pos, count = obj
+        if len(obj) not in (6, 7) or obj[0] != DATA_TAG or not all(type(x) is int for x in obj):
+            raise DecodeError("data header must be [1, tok, kind, buffer, pos, count(, checksum)] of ints")
+        tok, kind, buf, pos, count = obj[1:6]
+        csum = obj[6] if len(obj) == 7 else None
         if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
-                and 1 <= count < 1 << 32):
+                and 1 <= count < 1 << 32 and (csum is None or 0 <= csum <= U64_MAX)):
             raise DecodeError(f"data header fields out of range: {obj}")
-        return Data(tok, kind, buf, pos, count)
+        return Data(tok, kind, buf, pos, count, csum)
     if not isinstance(obj, dict):
         raise DecodeError(f"header must be a map or a data array, not {type(obj).__name__}")
     t = obj.get("t")
@@ -296,7 +309,9 @@ def decode_header(frame: bytes | memoryview) -> Message:
     if cls is None:
         raise DecodeError(f"unknown message type {t!r}")
     v = obj.get("v")
-    if v != PROTOCOL_VERSION:
-        raise VersionMismatch(f"{t}: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}")
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        exc = VersionMismatch(f"{t}: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}")
+        exc.msg_type = t
+        raise exc
     msg: Message = cls.parse(obj)
     return msg

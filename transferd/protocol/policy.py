@@ -97,6 +97,7 @@ def rank_plan(
 ) -> RankPlan:
     """Exactly what ``rank`` of a ``cp_size`` group sends for a room of ``n_pages`` positions
     whose first ``prefix_pages`` the decode side already holds."""
+    contiguous_slice(0, cp_size, rank)  # validates cp_size and rank for every mode
     if not 0 <= prefix_pages <= n_pages:
         raise BadRequest(f"prefix_pages {prefix_pages} must lie in [0, {n_pages}]")
     kv_all = layout.indices("kv")
