@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-flight", type=int, help="rooms in flight at once")
     p.add_argument("--seed", type=int, help="random seed")
     p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-' for stdout)")
+    p.add_argument("--fault", action="append", metavar="SPEC",
+                   help="inject a fault while rooms run (repeatable): kill-sender:R, restart-receiver, "
+                        "pause-sender:R, drop-frames:P, corrupt-frames:P, slow-receiver:MS")
 
     p = sub.add_parser("bench", help="measure the host's limits and transferd side by side")
     _common(p)
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             from .demo import run_demo
 
-            return run_demo(cfg, path, json_path=args.json)
+            return run_demo(cfg, path, json_path=args.json, fault_specs=args.fault)
         if args.cmd == "bench":
             from .bench import run_bench
 

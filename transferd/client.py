@@ -96,7 +96,7 @@ class PrefillClient(_Client):
 
     def wait(self, room: int, timeout_s: float = 60.0) -> RoomStatus:
         """Block until the room is Success or Failed, or ``timeout_s`` passes (then its current status)."""
-        return RoomStatus.from_wire(self.call("wait", timeout_s + 10.0, room=room, timeout_s=timeout_s))
+        return RoomStatus.from_wire(self.call("wait", timeout_s + self.timeout_s, room=room, timeout_s=timeout_s))
 
     def abort(self, room: int, reason: str = "") -> RoomStatus:
         return RoomStatus.from_wire(self.call("abort", room=room, reason=reason))
@@ -117,7 +117,7 @@ class DecodeClient(_Client):
         return RoomStatus.from_wire(self.call("poll", room=room, group=group))
 
     def wait(self, room: int, group: str, timeout_s: float = 60.0) -> RoomStatus:
-        return RoomStatus.from_wire(self.call("wait", timeout_s + 10.0, room=room, group=group, timeout_s=timeout_s))
+        return RoomStatus.from_wire(self.call("wait", timeout_s + self.timeout_s, room=room, group=group, timeout_s=timeout_s))
 
     def abort(self, room: int, group: str, reason: str = "") -> RoomStatus:
         """Once this returns, no further byte of the room is written to the decode pool."""

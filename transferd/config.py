@@ -74,6 +74,7 @@ class ReceiverConfig:
     stall_timeout_s: float = 60.0
     max_frame_bytes: int = 64 << 20
     send_hwm: int = 100_000
+    recv_hwm: int = 32
 
     def expand(self, s: str, run_dir: str) -> str:
         return s.format(name=self.name, run_dir=run_dir)
@@ -93,7 +94,7 @@ class SenderConfig:
     state_slots: int = 64
     aux_slots: int = 256
     max_message_bytes: int = 1 << 20
-    send_hwm: int = 64
+    send_hwm: int = 32
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 5
     assign_timeout_s: float = 300.0
@@ -116,11 +117,26 @@ class DemoConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FaultsConfig:
+    """Fault injection, for tests and ``transferd demo --fault`` only. Off by default."""
+
+    drop_frames: float = 0.0       # sender: fraction of data messages silently not sent
+    corrupt_frames: float = 0.0    # sender: fraction of data messages with one byte flipped after checksumming
+    slow_receiver_ms: float = 0.0  # receiver: pause after every data message
+    seed: int = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.drop_frames or self.corrupt_frames or self.slow_receiver_ms)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     model: ModelSpec = field(default_factory=ModelSpec)
     receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
     sender: SenderConfig = field(default_factory=SenderConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     run_dir: str = field(default_factory=default_run_dir)
     log_level: str = "info"
     log_format: str = "text"
@@ -181,6 +197,10 @@ class Config:
                         ("sender.assign_timeout_s", s.assign_timeout_s)):
             if v <= 0:
                 raise ConfigError(f"{what} must be > 0, not {v}")
+        f = self.faults
+        if not (0 <= f.drop_frames <= 1 and 0 <= f.corrupt_frames <= 1 and f.slow_receiver_ms >= 0):
+            raise ConfigError(f"faults: drop_frames and corrupt_frames must lie in [0, 1] and slow_receiver_ms "
+                              f"be >= 0 (got {f.drop_frames}, {f.corrupt_frames}, {f.slow_receiver_ms})")
         if self.receiver.max_frame_bytes < s.max_message_bytes:
             raise ConfigError(f"receiver.max_frame_bytes ({self.receiver.max_frame_bytes}) is below "
                               f"sender.max_message_bytes ({s.max_message_bytes})")
@@ -294,7 +314,8 @@ def _model(data: Any, where: str) -> ModelSpec:
         raise ConfigError(f"[model] of {where}: {exc}") from None
 
 
-_SECTIONS: dict[str, type] = {"receiver": ReceiverConfig, "sender": SenderConfig, "demo": DemoConfig}
+_SECTIONS: dict[str, type] = {"receiver": ReceiverConfig, "sender": SenderConfig, "demo": DemoConfig,
+                              "faults": FaultsConfig}
 _TOP = {"run_dir", "log_level", "log_format"}
 
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +26,7 @@ import numpy as np
 
 from .client import DecodeClient, PrefillClient
 from .config import Config, load
-from .errors import ConfigError
+from .errors import ClientTimeout, ConfigError, TransferdError, UnknownRoom
 from .launcher import Launcher
 from .layout import KINDS
 from .pool import Pool
@@ -46,6 +49,7 @@ class DemoRoom:
     aux_dst: int
     aux_src: list[int]
     status: str = ""
+    code: str = ""
     reason: str = ""
     mismatched: int = 0
 
@@ -65,12 +69,56 @@ class Summary:
     rooms_failed_by_reason: dict[str, int] = field(default_factory=dict)
     stray_bytes: int = 0
     refused: dict[str, int] = field(default_factory=dict)
+    faults: list[str] = field(default_factory=list)
+    corrupted_rooms: int = 0
+    recovered: bool = True
+    rooms_after_fault: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str) -> dict[str, str]:
+PROCESS_FAULTS = ("kill-sender", "restart-receiver", "pause-sender")
+DATA_FAULTS = ("drop-frames", "corrupt-frames", "slow-receiver")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    arg: float
+
+    def __str__(self) -> str:
+        if self.kind == "restart-receiver":
+            return self.kind
+        return f"{self.kind}:{self.arg:g}"
+
+
+def parse_fault(spec: str, cp_size: int) -> Fault:
+    """``kill-sender:R``, ``restart-receiver``, ``pause-sender:R``, ``drop-frames:P``,
+    ``corrupt-frames:P``, ``slow-receiver:MS``."""
+    kind, _, arg = spec.partition(":")
+    if kind == "restart-receiver":
+        if arg:
+            raise ConfigError(f"fault {spec!r}: restart-receiver takes no argument")
+        return Fault(kind, 0)
+    if kind not in PROCESS_FAULTS + DATA_FAULTS:
+        raise ConfigError(f"unknown fault {spec!r}; known: kill-sender:R, restart-receiver, pause-sender:R, "
+                          "drop-frames:P, corrupt-frames:P, slow-receiver:MS")
+    try:
+        value = float(arg)
+    except ValueError:
+        raise ConfigError(f"fault {spec!r} needs a number after ':'") from None
+    if kind in ("kill-sender", "pause-sender") and (not value.is_integer() or not 0 <= value < cp_size):
+        raise ConfigError(f"fault {spec!r}: rank must be an integer in [0, {cp_size})")
+    if kind in ("drop-frames", "corrupt-frames") and not 0 < value <= 1:
+        raise ConfigError(f"fault {spec!r}: the fraction must lie in (0, 1]")
+    if kind == "slow-receiver" and value <= 0:
+        raise ConfigError(f"fault {spec!r}: milliseconds must be > 0")
+    return Fault(kind, value)
+
+
+def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
+              faults: list[Fault] = ()) -> dict[str, str]:  # type: ignore[assignment]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
     env.update({
         "TRANSFERD_RUN_DIR": run_dir,
@@ -82,6 +130,21 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str) -> dic
         "TRANSFERD_SENDER_SPLIT": base.sender.split,
         "TRANSFERD_SENDER_GROUP": base.sender.group,
     })
+    if faults:  # short clocks, so that a fault is detected in about a second
+        env.update({
+            "TRANSFERD_RECEIVER_HEARTBEAT_INTERVAL_S": "0.2", "TRANSFERD_SENDER_HEARTBEAT_INTERVAL_S": "0.2",
+            "TRANSFERD_RECEIVER_HEARTBEAT_MISSES": "5", "TRANSFERD_SENDER_HEARTBEAT_MISSES": "5",
+            "TRANSFERD_RECEIVER_STALL_TIMEOUT_S": "5",
+        })
+    for f in faults:
+        if f.kind == "drop-frames":
+            env["TRANSFERD_FAULTS_DROP_FRAMES"] = str(f.arg)
+        elif f.kind == "corrupt-frames":
+            env["TRANSFERD_FAULTS_CORRUPT_FRAMES"] = str(f.arg)
+            if base.sender.checksum == "none":  # corruption must be caught: turn the integrity option on
+                env["TRANSFERD_SENDER_CHECKSUM"] = "xxh3"
+        elif f.kind == "slow-receiver":
+            env["TRANSFERD_FAULTS_SLOW_RECEIVER_MS"] = str(f.arg)
     return env
 
 
@@ -158,34 +221,50 @@ def _verify(room: DemoRoom, cfg: Config, dpool: Pool, spools: list[Pool], snapsh
     return bad
 
 
-def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None) -> int:
+def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
+             fault_specs: list[str] | None = None) -> int:
     t_start = time.monotonic()
     tag = f"demo{os.getpid()}"
+    faults = [parse_fault(f, base.sender.cp_size) for f in fault_specs or []]
     with tempfile.TemporaryDirectory(prefix="transferd-demo-") as run_dir:
-        env = child_env(cfg_path, base, run_dir, tag)
+        env = child_env(cfg_path, base, run_dir, tag, faults)
         cfg = load(cfg_path, env=env)
         cfg = cfg.with_overrides("demo", **{k: getattr(base.demo, k) for k in base.demo.__dataclass_fields__})
         launcher = Launcher(cfg, cfg_path, env=env, log_dir=Path(run_dir) / "logs")
         try:
             launcher.start()
-            summary = _run_rooms(cfg)
+            summary = _run_rooms(cfg, launcher, faults)
         except BaseException:
             _dump_logs(Path(run_dir) / "logs")
             raise
         finally:
             launcher.stop()
-        if summary.rooms_failed or summary.mismatched_bytes:
+            for f in Path("/dev/shm").glob(f"transferd-{tag}-*"):  # pools of killed daemons
+                f.unlink(missing_ok=True)
+        if not _passed(summary, cfg):
             _dump_logs(Path(run_dir) / "logs")
     summary.seconds = round(time.monotonic() - t_start, 3)
-    _print_summary(summary)
+    _print_summary(summary, _passed(summary, cfg))
     if json_path:
         text = json.dumps(summary.to_json(), indent=2, sort_keys=True)
         if json_path == "-":
             print(text)
         else:
             Path(json_path).write_text(text + "\n")
-    ok = (summary.rooms_failed == 0 and summary.mismatched_bytes == 0 and summary.rooms_ok == cfg.demo.rooms)
-    return 0 if ok else 1
+    return 0 if _passed(summary, cfg) else 1
+
+
+def _passed(s: Summary, cfg: Config) -> bool:
+    """Without faults: every room ok and byte-exact. With faults: no room reported Success with
+    wrong bytes, nothing written outside the rooms, every room ended, and (process faults) every
+    room after the fault succeeded."""
+    if s.corrupted_rooms or s.stray_bytes or s.mismatched_bytes:
+        return False
+    if s.rooms_ok + s.rooms_failed != cfg.demo.rooms:
+        return False
+    if not s.faults:
+        return s.rooms_failed == 0
+    return s.recovered
 
 
 def _dump_logs(log_dir: Path) -> None:
@@ -196,7 +275,56 @@ def _dump_logs(log_dir: Path) -> None:
             print(line, file=sys.stderr)
 
 
-def _run_rooms(cfg: Config) -> Summary:
+class _Engines:
+    """The synthetic engines' clients; a rank whose daemon is down is skipped until it is back."""
+
+    def __init__(self, cfg: Config, faulty: bool) -> None:
+        self.cfg = cfg
+        t = 2.0 if faulty else 60.0
+        self.dc = DecodeClient(cfg.receiver_engine_socket(), timeout_s=t)
+        self.pcs = [PrefillClient(cfg.sender_engine_socket(r), timeout_s=t) for r in range(cfg.sender.cp_size)]
+        self.down: set[int] = set()
+
+    def submit(self, room: DemoRoom, k: int) -> None:
+        a, b = room.chunks[k]
+        last = k == len(room.chunks) - 1
+        for r, pc in enumerate(self.pcs):
+            if r in self.down:
+                continue
+            try:
+                if last:
+                    pc.submit(room.room, a, room.src[r][a:b], last=True,
+                              state={c: v for c, v in room.state_src[r].items()}, aux_slot=room.aux_src[r])
+                else:
+                    pc.submit(room.room, a, room.src[r][a:b])
+            except ClientTimeout:
+                self.down.add(r)
+            except TransferdError as exc:  # e.g. the room already failed on that rank
+                log.info("room %d rank %d: submit refused: %s", room.room, r, exc)
+
+    def close(self) -> None:
+        self.dc.close()
+        for pc in self.pcs:
+            pc.close()
+
+
+def _inject(f: Fault, launcher: Launcher, engines: _Engines, timers: list[threading.Timer]) -> None:
+    log.warning("injecting fault %s", f)
+    if f.kind == "kill-sender":
+        launcher.kill(f"sender r{int(f.arg)}", signal.SIGKILL)
+        engines.down.add(int(f.arg))
+    elif f.kind == "restart-receiver":
+        launcher.kill("receiver", signal.SIGKILL)
+    elif f.kind == "pause-sender":
+        label = f"sender r{int(f.arg)}"
+        launcher.kill(label, signal.SIGSTOP)
+        engines.down.add(int(f.arg))
+        t = threading.Timer(3.0, launcher.kill, (label, signal.SIGCONT))
+        t.start()
+        timers.append(t)
+
+
+def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
     d, s = cfg.demo, cfg.sender
     cp = s.cp_size
     rng = np.random.default_rng(d.seed)
@@ -216,48 +344,56 @@ def _run_rooms(cfg: Config) -> Summary:
            **{c: _Alloc(layout.rows_of("state", c), rng) for c in comps}}
     src = [{"kv": _Alloc(p.layout.kv_rows, rng), "aux": _Alloc(p.layout.buffers[p.layout.aux_index].rows, rng),
             **{c: _Alloc(p.layout.rows_of("state", c), rng) for c in comps}} for p in spools]
-    dc = DecodeClient(cfg.receiver_engine_socket())
-    pcs = [PrefillClient(cfg.sender_engine_socket(r)) for r in range(cp)]
-    summary = Summary(cp_size=cp, split=cfg.split.value)
+    process_faults = [f for f in faults if f.kind in PROCESS_FAULTS]
+    engines = _Engines(cfg, bool(faults))
+    dc = engines.dc
+    summary = Summary(cp_size=cp, split=cfg.split.value, faults=[str(f) for f in faults])
     touched = [np.zeros(rows.shape[0], dtype=bool) for rows in dpool.rows]
+    n_batches = math.ceil(d.rooms / max(1, d.in_flight))
+    fault_batch = n_batches // 2 if process_faults else -1
+    timers: list[threading.Timer] = []
     done = 0
-    rooms_seen: list[DemoRoom] = []
     try:
-        while done < d.rooms:
+        for bi in range(n_batches):
             batch = [_make_room(done + i, cfg, rng, dec, src, comps, spools)
                      for i in range(min(d.in_flight, d.rooms - done))]
             for i, room in enumerate(batch):
                 early = i % 2 == 1  # the prefill engine is sometimes ahead of the decode side
                 if early:
-                    _submit(pcs, room, 0)
-                dc.expect(room.room, s.group, room.dst, aux_slot=room.aux_dst, prefix_pages=room.prefix,
-                          state={c: v for c, v in room.state_dst.items()})
+                    engines.submit(room, 0)
+                try:
+                    dc.expect(room.room, s.group, room.dst, aux_slot=room.aux_dst, prefix_pages=room.prefix,
+                              state={c: v for c, v in room.state_dst.items()})
+                except (ClientTimeout, TransferdError) as exc:
+                    room.status, room.reason = "failed", f"expect: {exc}"
                 if not early:
-                    _submit(pcs, room, 0)
+                    engines.submit(room, 0)
+            if bi == fault_batch:
+                for f in process_faults:
+                    _inject(f, launcher, engines, timers)
             for k in range(1, max(len(r.chunks) for r in batch)):
                 for room in batch:
                     if k < len(room.chunks):
-                        _submit(pcs, room, k)
+                        engines.submit(room, k)
             for room in batch:
-                st = dc.wait(room.room, s.group, d.timeout_s)
-                for pc in pcs:  # every rank learns the outcome
-                    pst = pc.wait(room.room, d.timeout_s)
-                    if pst.state is not st.state:
-                        st = pst if st.state is RoomState.SUCCESS else st
-                room.status, room.reason = st.state.value, st.reason
-                if st.state is RoomState.SUCCESS:
+                _settle(room, engines, cfg, launcher)
+                if room.status == "success":
                     room.mismatched = _verify(room, cfg, dpool, spools, snapshot)
                     summary.rooms_ok += 1
+                    if room.mismatched:
+                        summary.corrupted_rooms += 1
                 else:
                     summary.rooms_failed += 1
-                    key = st.code or st.state.value
+                    key = room.code or "failed"
                     summary.rooms_failed_by_reason[key] = summary.rooms_failed_by_reason.get(key, 0) + 1
-                    log.error("room %d: %s %s", room.room, st.state.value, st.reason)
+                    log.info("room %d: failed (%s) %s", room.room, room.code, room.reason)
+                    if fault_batch >= 0 and bi > fault_batch:
+                        summary.recovered = False
+                if fault_batch >= 0 and bi > fault_batch:
+                    summary.rooms_after_fault += 1
                 summary.mismatched_bytes += room.mismatched
                 _account_expected(summary, room, layout)
-                dc.release(room.room, s.group)
                 _mark(touched, room, layout)
-                rooms_seen.append(room)
                 # give rows back; the next batch reuses them (catches writes that arrive late)
                 dec["kv"].give(room.dst)
                 dec["aux"].give([room.aux_dst])
@@ -269,39 +405,70 @@ def _run_rooms(cfg: Config) -> Summary:
                     for c in comps:
                         src[r][c].give(room.state_src[r][c])
             done += len(batch)
+            if bi == fault_batch:
+                _recover(launcher, engines, timers)
+        if process_faults and fault_batch == n_batches - 1:
+            summary.recovered = False  # the fault hit the last batch: recovery was never shown
         # nothing outside the destination rows may have changed
         for b, rows in enumerate(dpool.rows):
             untouched = ~touched[b]
-            stray = int(np.count_nonzero(rows[untouched] != snapshot[b][untouched]))
-            summary.stray_bytes += stray
-        summary.mismatched_bytes += summary.stray_bytes
+            summary.stray_bytes += int(np.count_nonzero(rows[untouched] != snapshot[b][untouched]))
         rx = dc.stats()
         summary.received_bytes = dict(rx["bytes"])
         summary.refused = dict(rx["refused"])
-        for pc in pcs:
+        for pc in engines.pcs:
             st = pc.stats()
             for k in KINDS:
                 summary.wire_bytes[k] += st["bytes"][k]
             summary.state_bytes_skipped += st["state_bytes_skipped"]
     finally:
-        dc.close()
-        for pc in pcs:
-            pc.close()
+        for t in timers:
+            t.cancel()
+        engines.close()
         dpool.close()
         for p in spools:
             p.close()
     return summary
 
 
-def _submit(pcs: list[PrefillClient], room: DemoRoom, k: int) -> None:
-    a, b = room.chunks[k]
-    last = k == len(room.chunks) - 1
-    for r, pc in enumerate(pcs):
-        if last:
-            pc.submit(room.room, a, room.src[r][a:b], last=True,
-                      state={c: v for c, v in room.state_src[r].items()}, aux_slot=room.aux_src[r])
-        else:
-            pc.submit(room.room, a, room.src[r][a:b])
+def _settle(room: DemoRoom, engines: _Engines, cfg: Config, launcher: Launcher) -> None:
+    """Wait until the decode side ends the room, release it, and let every live rank learn it."""
+    group = cfg.sender.group
+    deadline = time.monotonic() + cfg.demo.timeout_s
+    while not room.status:
+        try:
+            st = engines.dc.wait(room.room, group, max(0.1, min(5.0, deadline - time.monotonic())))
+        except ClientTimeout:
+            st = None
+            launcher.supervise_once()  # a dead receiver comes back (and has forgotten its rooms)
+        except UnknownRoom:  # the receiver restarted and forgot the room
+            room.status, room.code, room.reason = "failed", "receiver_restarted", "the receiver restarted"
+            break
+        if st is not None and st.state.terminal:
+            room.status, room.code, room.reason = st.state.value, st.code, st.reason
+        elif time.monotonic() > deadline:
+            room.status, room.code, room.reason = "failed", "demo_timeout", "no outcome within demo.timeout_s"
+    try:
+        engines.dc.release(room.room, group)
+    except (ClientTimeout, TransferdError):
+        pass
+    for r, pc in enumerate(engines.pcs):
+        if r in engines.down:
+            continue
+        try:
+            pst = pc.wait(room.room, cfg.demo.timeout_s)
+        except (ClientTimeout, TransferdError):
+            continue
+        if room.status == "success" and pst.state.value != "success":
+            room.status, room.code, room.reason = "failed", pst.code, f"rank {r}: {pst.reason}"
+
+
+def _recover(launcher: Launcher, engines: _Engines, timers: list[threading.Timer]) -> None:
+    for t in timers:
+        t.join()
+    launcher.supervise_once()  # restarts what was killed
+    launcher.wait_registered(time.monotonic() + 60.0)
+    engines.down.clear()
 
 
 def _account_expected(summary: Summary, room: DemoRoom, layout: Any) -> None:
@@ -323,8 +490,7 @@ def _mb(x: int) -> str:
     return f"{x / 1e6:.2f} MB"
 
 
-def _print_summary(s: Summary) -> None:
-    ok = s.rooms_failed == 0 and s.mismatched_bytes == 0
+def _print_summary(s: Summary, ok: bool) -> None:
     total_wire = sum(s.wire_bytes.values())
     print(f"transferd demo: cp_size {s.cp_size}, split {s.split}: {s.rooms_ok} rooms ok, {s.rooms_failed} failed, "
           f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}")
@@ -335,3 +501,6 @@ def _print_summary(s: Summary) -> None:
     print(f"  de-dup:   {_mb(s.state_bytes_skipped)} of replicated state not sent")
     if s.rooms_failed_by_reason:
         print("  failures: " + ", ".join(f"{k} {v}" for k, v in sorted(s.rooms_failed_by_reason.items())))
+    if s.faults:
+        print(f"  faults:   {', '.join(s.faults)}; corrupted rooms {s.corrupted_rooms}; "
+              f"{'recovered' if s.recovered else 'NOT recovered'} ({s.rooms_after_fault} rooms after the fault)")

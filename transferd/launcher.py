@@ -126,6 +126,15 @@ class Launcher:
             if c.proc is not None and c.proc.poll() is not None:
                 raise TransferdError(f"{c.label} exited with status {c.proc.returncode}")
 
+    def kill(self, label: str, sig: int) -> None:
+        """Send a signal to one child by label (``receiver``, ``sender r3``) — fault injection."""
+        for c in self.children:
+            if c.label == label and c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(sig)
+                if sig == signal.SIGKILL:
+                    c.proc.wait()
+                return
+
     def supervise_once(self) -> bool:
         """Restart children that died; returns False once one exceeded its restart limit."""
         ok = True

@@ -102,6 +102,7 @@ class Receiver(AgentBase):
         self._next_tok = random.getrandbits(62) | 1
         self.data_endpoint = ""
         self.engine_endpoint = ""
+        self._nudged: dict[bytes, float] = {}
         self._row_bytes = [b.row_bytes for b in self.layout.buffers]
         self._kind_of = [b.kind for b in self.layout.buffers]
 
@@ -124,6 +125,7 @@ class Receiver(AgentBase):
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, self.rcfg.max_frame_bytes)  # bigger: peer disconnected
         self.router.setsockopt(zmq.SNDHWM, self.rcfg.send_hwm)
+        self.router.setsockopt(zmq.RCVHWM, self.rcfg.recv_hwm)  # bounds bytes in flight per sender
         self.router.bind(self.rcfg.bind)
         self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.api = LocalApiServer(self.ctx, self.cfg.receiver_engine_socket(), {
@@ -162,6 +164,7 @@ class Receiver(AgentBase):
     # -- network input -------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         sock = self.router
+        slow = self.cfg.faults.slow_receiver_ms / 1000.0
         n = 0
         while True:
             frames = await sock.recv_multipart(copy=False)
@@ -171,7 +174,9 @@ class Receiver(AgentBase):
                 log.exception("%s: error while handling a message", self.name)
                 self.acct.refused["internal_error"] += 1
             n += 1
-            if n % 64 == 0:
+            if slow and len(frames) == 3:
+                await asyncio.sleep(slow)  # fault injection: a slow decode side
+            elif n % 64 == 0:
                 await asyncio.sleep(0)  # a ready socket never yields by itself: let timers and the engine API run
 
     def _refuse(self, code: str, why: str, ident: bytes = b"") -> None:
@@ -199,6 +204,7 @@ class Receiver(AgentBase):
                 return
             if peer is None:
                 self._refuse("unregistered", "data from an unregistered peer", ident)
+                self._nudge(ident)
                 return
             self._on_data(peer, msg, frames[2].buffer)
             return
@@ -209,8 +215,7 @@ class Receiver(AgentBase):
             self._on_register(ident, msg)
         elif peer is None:
             self._refuse("unregistered", f"{type(msg).__name__} from an unregistered peer", ident)
-            self._send(ident, Registered(False, "unknown peer: register first", self.rcfg.name,
-                                         self.incarnation, retry=True))
+            self._nudge(ident)
         elif isinstance(msg, Ping):
             self._send(ident, Pong(msg.seq))
         elif isinstance(msg, Pong):
@@ -221,6 +226,18 @@ class Receiver(AgentBase):
             self._on_fail(peer, msg)
         else:
             self._refuse("unexpected_type", f"{type(msg).__name__} is not sent to a receiver", ident)
+
+    def _nudge(self, ident: bytes) -> None:
+        """Tell an unknown peer (e.g. one registered with this receiver's previous incarnation) to
+        register again; at most once a second per identity."""
+        now = time.monotonic()
+        if now - self._nudged.get(ident, 0.0) < 1.0:
+            return
+        if len(self._nudged) > 4096:
+            self._nudged.clear()
+        self._nudged[ident] = now
+        self._send(ident, Registered(False, "unknown peer: register first", self.rcfg.name, self.incarnation,
+                                     retry=True))
 
     def _on_register(self, ident: bytes, msg: Register) -> None:
         def refuse(reason: str, code: str) -> None:

@@ -113,6 +113,8 @@ class SenderAgent(AgentBase):
         self.rooms: dict[int, SendRoom] = {}  # live rooms
         self.ended: collections.OrderedDict[int, SendRoom] = collections.OrderedDict()  # the last terminal ones
         self.checksum = checksum_function(s.checksum)
+        self.faults = cfg.faults
+        self._fault_rng = random.Random(cfg.faults.seed * 1000 + s.cp_rank)
         self.engine_endpoint = ""
         self._kv0 = self.layout.indices("kv")[0] if self.layout.indices("kv") else None
 
@@ -408,6 +410,16 @@ class SenderAgent(AgentBase):
         assert room.conn is not None and room.assign is not None and self.pool is not None
         payload = self.pool.rows[buffer][src_row:src_row + count]
         csum = self.checksum(payload) if self.checksum is not None else None
+        if self.faults.active:
+            x = self._fault_rng.random()
+            if x < self.faults.drop_frames:
+                self.acct.dropped["fault_drop_frame"] += 1
+                return
+            if x < self.faults.drop_frames + self.faults.corrupt_frames:
+                self.acct.dropped["fault_corrupt_frame"] += 1
+                payload = payload.copy()
+                flat = payload.reshape(-1)
+                flat[self._fault_rng.randrange(flat.size)] ^= 0xFF
         await room.conn.sock.send_multipart(
             [encode(Data(room.assign.tok, kind, buffer, pos, count, csum)), payload], copy=False)
         self.acct.add(("kv", "state", "aux")[kind], payload.nbytes)
