@@ -239,10 +239,12 @@ class SenderAgent(AgentBase):
     def _on_assign(self, conn: Conn, msg: Assign) -> None:
         room = self.rooms.get(msg.room)
         ended = self.ended.get(msg.room)
-        if room is None and ended is not None and ended.assign is None:
-            # the prefill engine aborted (or the queue clock failed) this room before any receiver expected it
+        if room is None and ended is not None:
+            if ended.assign is not None and ended.assign.tok == msg.tok:
+                return  # a repeated assignment of a room that is over
+            # aborted before any receiver expected it, or an id still remembered from an ended room
             self._send_reliable(conn, Fail(msg.tok, ended.status.code or "aborted",
-                                           f"room already ended on the prefill side: {ended.status.reason}"))
+                                           f"room {msg.room} already ended on the prefill side: {ended.status.reason}"))
             return
         if room is not None and room.assign is not None:
             if room.assign.tok == msg.tok:
@@ -472,7 +474,7 @@ class SenderAgent(AgentBase):
         assert self.pool is not None
         room = self.rooms.get(room_id)
         ended = self.ended.get(room_id)
-        if room is None and ended is not None and start != 0:
+        if room is None and ended is not None:
             raise BadRequest(f"room {room_id} already ended ({ended.status.state.value}: {ended.status.reason})")
         if room is not None and room.last_submitted:
             raise BadRequest(f"room {room_id} already had its last chunk")

@@ -76,6 +76,7 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
     clients: list[Any] = field(default_factory=list)
     pools: list[Pool] = field(default_factory=list)
+    killed: list[Proc] = field(default_factory=list)
 
     def write_config(self, name: str, data: dict[str, Any]) -> Path:
         base: dict[str, Any] = {"run_dir": str(self.tmp / "run"), "log_level": "info", "model": MODEL}
@@ -87,7 +88,7 @@ class Cluster:
     def _spawn(self, label: str, argv: list[str], cfg_path: Path) -> Proc:
         log = self.tmp / f"{label}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
-        with open(log, "wb") as out:
+        with open(log, "ab") as out:
             p = subprocess.Popen([sys.executable, "-m", "transferd", *argv, "--config", str(cfg_path)],
                                  stdout=out, stderr=subprocess.STDOUT, env=env)
         proc = Proc(label, p, log, load(cfg_path, env={}))
@@ -95,11 +96,13 @@ class Cluster:
         return proc
 
     def receiver(self, name: str = "decode0", *, kv_pages: int = 256, model: dict[str, Any] | None = None,
-                 **extra: Any) -> tuple[str, DecodeClient, Pool]:
+                 faults: dict[str, Any] | None = None, **extra: Any) -> tuple[str, DecodeClient, Pool]:
         data: dict[str, Any] = {"receiver": {"name": name, "bind": "tcp://127.0.0.1:*", "pool": f"{self.tag}-{name}",
                                              "kv_pages": kv_pages, "state_slots": 32, "aux_slots": 32, **extra}}
         if model:
             data["model"] = model
+        if faults:
+            data["faults"] = faults
         path = self.write_config(f"receiver-{name}", data)
         proc = self._spawn(f"receiver-{name}", ["receiver"], path)
         dc = DecodeClient(proc.cfg.receiver_engine_socket(), timeout_s=20)
@@ -111,7 +114,8 @@ class Cluster:
 
     def group(self, group: str, cp_size: int, receivers: list[str], *, split: str = "pages",
               kv_pages: int = 256, model: dict[str, Any] | None = None, wait: bool = True,
-              ranks: list[int] | None = None, **extra: Any) -> tuple[list[PrefillClient], list[Pool]]:
+              ranks: list[int] | None = None, faults: dict[str, Any] | None = None,
+              **extra: Any) -> tuple[list[PrefillClient], list[Pool]]:
         clients, pools = [], []
         for rank in range(cp_size) if ranks is None else ranks:
             data: dict[str, Any] = {"sender": {
@@ -120,6 +124,8 @@ class Cluster:
                 "aux_slots": 32, **extra}}
             if model:
                 data["model"] = model
+            if faults:
+                data["faults"] = faults
             path = self.write_config(f"sender-{group}-r{rank}", data)
             proc = self._spawn(f"sender-{group}-r{rank}", ["sender"], path)
             pc = PrefillClient(proc.cfg.sender_engine_socket(rank), timeout_s=20)
@@ -134,6 +140,34 @@ class Cluster:
                 self.until(lambda: all(r["state"] == "registered" for r in pc.status()["receivers"]),
                            f"{group} to register with every receiver")
         return clients, pools
+
+    def kill(self, label: str, sig: int = signal.SIGKILL) -> Proc:
+        """Signal the newest process of that label; a SIGKILLed one is not expected to exit cleanly."""
+        p = self.proc(label)
+        p.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            p.proc.wait(10)
+            self.killed.append(p)
+        return p
+
+    def proc(self, label: str) -> Proc:
+        return next(p for p in reversed(self.procs) if p.label == label)
+
+    def restart(self, label: str, **replace: Any) -> Proc:
+        """Start a process again with its config (a fresh incarnation); ``replace`` edits the
+        receiver section (e.g. a concrete ``bind`` to come back on the same port)."""
+        old = self.proc(label)
+        path = self.tmp / f"{label}.toml"
+        if replace:
+            import tomllib
+
+            data = tomllib.loads(path.read_text())
+            data["receiver"].update(replace)
+            path.write_text(dump_toml(data))
+        role = "receiver" if label.startswith("receiver") else "sender"
+        new = self._spawn(f"{label}", [role], path)
+        assert new is not old
+        return new
 
     def until(self, fn: Any, what: str, proc: Proc | None = None, timeout: float = 30.0) -> Any:
         deadline = time.monotonic() + timeout
@@ -155,11 +189,13 @@ class Cluster:
             c.close()
         for p in self.pools:
             p.close()
-        for p in self.procs:
+        live = [p for p in self.procs if p not in self.killed]
+        for p in live:
             if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGCONT)
                 p.proc.send_signal(signal.SIGTERM)
         codes = {}
-        for p in self.procs:
+        for p in live:
             try:
                 codes[p.label] = p.proc.wait(15)
             except subprocess.TimeoutExpired:
