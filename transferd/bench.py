@@ -49,7 +49,7 @@ import numpy as np
 import zmq
 
 from .client import DecodeClient, PrefillClient
-from .config import Config, load
+from .config import Config, ReceiverConfig, SenderConfig, load
 from .errors import ClientTimeout, ConfigError, TransferdError
 from .layout import ModelSpec, PoolLayout
 from .pool import Pool, pool_path, shm_dir
@@ -67,6 +67,8 @@ SMALL_CPS = (1, 8)
 PRODUCTION_CUT_CP8 = 0.8497
 BULK_LAYERS = 4
 POISON = 0xA5
+# the same-host path (sender.same_host / receiver.same_host = "auto" | "off") where this transferd has it
+HAS_SAME_HOST = "same_host" in SenderConfig.__dataclass_fields__ and "same_host" in ReceiverConfig.__dataclass_fields__
 TARGETS = {"tcp_vs_raw_zmq": 0.9, "same_host_vs_memcpy": 0.8, "small_cp1_p50_ms": 1.0,
            "small_cp1_rooms_per_s": 2000.0, "vs_mooncake_tcp": 2.0}
 
@@ -311,8 +313,10 @@ class _Bench:
         self.clusters[name] = c
         return c
 
-    def _group(self, c: _Cluster, name: str, cp: int) -> _Group:
+    def _group(self, c: _Cluster, name: str, cp: int, same_host: bool = False) -> _Group:
         env = {**c.env, "TRANSFERD_SENDER_GROUP": name, "TRANSFERD_SENDER_CP_SIZE": str(cp)}
+        if HAS_SAME_HOST:  # TCP loopback unless this group is the same-host one
+            env["TRANSFERD_SENDER_SAME_HOST"] = "auto" if same_host else "off"
         g = _Group(name, cp, load(c.cfg_path, env=env))
         for rank in range(cp):
             g.procs.append(self.daemons.spawn(
@@ -376,6 +380,8 @@ class _Bench:
                                      deadline)
         for c in self.bulk.values():
             self._group(c, f"b{c.name[4:]}", 1)
+            if HAS_SAME_HOST:
+                self._group(c, f"s{c.name[4:]}", 1, same_host=True)
         for cp in DEDUP_CPS:
             self._group(self.ds, f"ds{cp}", cp)
         for r in range(1, 8):
@@ -440,11 +446,11 @@ class _Bench:
         p = self.plan
         rng = np.random.default_rng(11)
         for key, c in self.bulk.items():
-            g = next(iter(c.groups.values()))
-            rows = g.pools[0].layout.kv_rows
-            for b in g.pools[0].layout.indices("kv"):
-                _Filler(100 + b + 10 * len(key)).rows(g.pools[0].rows[b], range(rows))
-            g.src_pages = [rng.permutation(rows)]
+            for gi, g in enumerate(c.groups.values()):
+                rows = g.pools[0].layout.kv_rows
+                for b in g.pools[0].layout.indices("kv"):
+                    _Filler(100 + b + 10 * len(key) + 1000 * gi).rows(g.pools[0].rows[b], range(rows))
+                g.src_pages = [rng.permutation(rows)]
             c.dst_perm = rng.permutation(c.layout.kv_rows)
             c.pages = p.bulk_room_bytes // (BULK_LAYERS * SIZES[key])
 
@@ -567,11 +573,11 @@ class _Bench:
             raise TransferdError("bench: the raw zmq sender did not confirm")
         return {"gbps": n * size / dt / 1e9}
 
-    def bulk_room(self, key: str) -> dict[str, Any]:
+    def bulk_room(self, key: str, same_host: bool = False) -> dict[str, Any]:
         contig = key.endswith("_contig")
         c = self.bulk[key.split("_")[0]]
         assert c.dc is not None and c.rx is not None
-        g = next(iter(c.groups.values()))
+        g = list(c.groups.values())[1 if same_host else 0]
         pc, sp = g.pcs[0], g.pools[0]
         P, R = c.pages, self.plan.bulk_rooms
         rooms: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -587,6 +593,7 @@ class _Bench:
             pc.submit(room, 0, src, last=True, aux_slot=j)
             rooms.append((room, src, dst))
         self._poison(c, rooms[0][2], {}, 0)
+        shm0 = int(pc.stats().get("shm_bytes", 0))
         cpu0 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
         t0 = time.perf_counter()
         for j, (room, _, dst) in enumerate(rooms):
@@ -594,11 +601,13 @@ class _Bench:
         ok = self._wait_all(c, [(g.name, room) for room, _, _ in rooms])
         dt = time.perf_counter() - t0
         cpu1 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
+        shm = int(pc.stats().get("shm_bytes", 0)) - shm0
         room0, src0, dst0 = rooms[0]
         self._verify(c, g, dst0, [src0], {}, {}, 0, 0)
         self._release(c, [(g.name, room) for room, _, _ in rooms])
         nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
-        out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt}
+        out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
+                               "shm_share": shm / nbytes}
         if None not in cpu0 and None not in cpu1:
             gb = nbytes / 1e9
             out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
@@ -738,6 +747,8 @@ class _Bench:
             out.append((f"raw_zmq/{key}", lambda k=key: self.raw_zmq(k)))
         for key in BULK_KEYS:
             out.append((f"bulk/{key}", lambda k=key: self.bulk_room(k)))
+            if HAS_SAME_HOST:
+                out.append((f"bulk_shm/{key}", lambda k=key: self.bulk_room(k, same_host=True)))
         for cp in DEDUP_CPS:
             out.append((f"dedup_on/{cp}", lambda n=cp: self.dedup_on(n)))
             if cp > 1:
@@ -843,7 +854,36 @@ class _Bench:
                 "vs_memcpy": _r(paired(f"bulk/{key}", f"memcpy/{msg_key}"), 3),
                 "receiver_cpu_s_per_gb": _r(med(f"bulk/{key}", "receiver_cpu_s_per_gb"), 3),
                 "sender_cpu_s_per_gb": _r(med(f"bulk/{key}", "sender_cpu_s_per_gb"), 3),
+                "shm_share": _r(med(f"bulk/{key}", "shm_share"), 4),
             }
+        if HAS_SAME_HOST:
+            same_host: dict[str, Any] = {
+                "available": True,
+                "note": ("the same rooms from a sender with same_host = \"auto\" into the same receiver: data-ref "
+                         "messages over ZeroMQ, the receiver copying rows out of the sender's pool; shm_share is "
+                         "the part of the bytes the sender counted as moved that way (1.0 = the path was used)"),
+            }
+            for key in BULK_KEYS:
+                msg_key = "1MiB" if key.endswith("_contig") else key
+                name = f"bulk_shm/{key}"
+                same_host[key] = {
+                    "gbps": _r(med(name, "gbps"), 3), "rounds": [_r(r["gbps"], 3) for r in res.get(name, [])],
+                    "vs_memcpy": _r(paired(name, f"memcpy/{msg_key}"), 3),
+                    "vs_tcp": _r(paired(name, f"bulk/{key}"), 3),
+                    "receiver_cpu_s_per_gb": _r(med(name, "receiver_cpu_s_per_gb"), 3),
+                    "sender_cpu_s_per_gb": _r(med(name, "sender_cpu_s_per_gb"), 3),
+                    "shm_share": _r(med(name, "shm_share"), 4),
+                }
+                bulk[key]["same_host_gbps"] = same_host[key]["gbps"]
+                bulk[key]["same_host_vs_memcpy"] = same_host[key]["vs_memcpy"]
+            same_host_ratio = same_host["1MiB"]["vs_memcpy"]
+            same_host_note = ("transferd's same-host path, bulk rooms of 1 MiB rows, vs one-thread memcpy of "
+                              "1 MiB pieces, median of per-round ratios")
+        else:
+            same_host_note = ("this transferd has no same-host path (no sender.same_host setting): nothing honest "
+                              "to measure")
+            same_host = {"available": False, "note": same_host_note}
+            same_host_ratio = None
         small: dict[str, Any] = {}
         for cp in SMALL_CPS:
             lat = np.asarray(self.latencies[cp]) * 1e3
@@ -905,12 +945,10 @@ class _Bench:
                 "off_time": "emulated" if cp > 1 else "same as on (nothing to de-duplicate at cp 1)",
                 "off_emulated_wire_bytes": off_wire_emul // off_rooms if off_rooms else None,
             }
-        same_host_note = ("transferd has no same-host path yet (issue 4: ranks writing straight into the "
-                          "destination rows through shared memory); nothing honest to measure")
         ratios = {
             "tcp_vs_raw_zmq": by_size.get("1MiB"),
             "tcp_vs_raw_zmq_by_size": by_size,
-            "same_host_vs_memcpy": None,
+            "same_host_vs_memcpy": same_host_ratio,
             "notes": {"tcp_vs_raw_zmq": "transferd bulk rooms of 1 MiB rows vs raw pyzmq with 1 MiB messages, "
                                         "same bytes, median of per-round ratios",
                       "same_host_vs_memcpy": same_host_note},
@@ -919,7 +957,8 @@ class _Bench:
         targets = {
             "tcp_vs_raw_zmq >= 0.9": {"value": ratios["tcp_vs_raw_zmq"],
                                       "met": _met(ratios["tcp_vs_raw_zmq"], TARGETS["tcp_vs_raw_zmq"], True)},
-            "same_host_vs_memcpy >= 0.8": {"value": None, "met": None},
+            "same_host_vs_memcpy >= 0.8": {"value": same_host_ratio,
+                                           "met": _met(same_host_ratio, TARGETS["same_host_vs_memcpy"], True)},
             "small_rooms.cp1.p50_ms <= 1": {"value": c1["p50_ms"], "met": _met(c1["p50_ms"], 1.0, False)},
             "small_rooms.cp1.rooms_per_s >= 2000": {"value": c1["rooms_per_s"],
                                                     "met": _met(c1["rooms_per_s"], 2000.0, True)},
@@ -934,7 +973,7 @@ class _Bench:
         return {
             "bench_version": BENCH_VERSION, "quick": self.quick, "repeats": self.plan.repeats,
             "host": _host(), "limits": limits, "bulk": bulk,
-            "same_host": {"gbps": None, "note": same_host_note},
+            "same_host": same_host,
             "small_rooms": small, "dedup": dedup, "ratios": ratios, "targets": targets,
             "peers": {}, "notes": self.notes,
             "mismatched_bytes": self.mismatched, "verified_rooms": self.verified_rooms,
@@ -1022,7 +1061,18 @@ def format_table(out: dict[str, Any]) -> str:
     bc = bulk["64KiB_contig"]
     lines.append(f"transferd tcp, 64 KiB rows on contiguous pages (1 MiB messages): {_f(bc['gbps'])} GB/s, "
                  f"{_f(bc['vs_raw_zmq'])} × raw pyzmq 1 MiB")
-    lines.append(f"same-host path: — ({out['same_host']['note']})")
+    sh = out["same_host"]
+    if sh.get("available"):
+        lines.append("transferd same-host (rows) GB/s".ljust(34) + "".join(_f(sh[k]["gbps"]).rjust(w) for k in keys))
+        lines.append("  × memcpy".ljust(34) + "".join(_f(sh[k]["vs_memcpy"]).rjust(w) for k in keys))
+        lines.append("  × transferd tcp".ljust(34) + "".join(_f(sh[k]["vs_tcp"]).rjust(w) for k in keys))
+        lines.append("  receiver CPU s/GB".ljust(34) + "".join(_f(sh[k]["receiver_cpu_s_per_gb"]).rjust(w)
+                                                            for k in keys))
+        shc = sh["64KiB_contig"]
+        lines.append(f"transferd same-host, 64 KiB rows on contiguous pages: {_f(shc['gbps'])} GB/s, "
+                     f"{_f(shc['vs_memcpy'])} × memcpy 1 MiB")
+    else:
+        lines.append(f"same-host path: — ({sh['note']})")
     lines.append("")
     sr = out["small_rooms"]
     lines.append(f"small rooms (1 page of {sr['room']['kv_bytes'] // 1024} KiB over {sr['room']['messages_per_room_rank0'] - 1} "

@@ -72,6 +72,7 @@ class ReceiverConfig:
     heartbeat_misses: int = 5
     bootstrap_timeout_s: float = 120.0
     stall_timeout_s: float = 60.0
+    same_host: str = "auto"  # read same-host senders' pools directly ("auto") or never ("off")
     max_frame_bytes: int = 64 << 20
     send_hwm: int = 100_000
     recv_hwm: int = 32
@@ -99,6 +100,8 @@ class SenderConfig:
     heartbeat_misses: int = 5
     assign_timeout_s: float = 300.0
     checksum: str = "none"
+    same_host: str = "auto"  # offer this pool to a receiver on the same host ("auto") or never ("off")
+    shm_message_bytes: int = 16 << 20  # rows per data-ref message on the same-host path
 
     def expand(self, s: str, run_dir: str) -> str:
         return s.format(group=self.group, rank=self.cp_rank, run_dir=run_dir)
@@ -192,6 +195,9 @@ class Config:
             if not NAME_RE.match(name):
                 raise ConfigError(f"{what} {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
         checksum_function(s.checksum)
+        for what, v in (("sender.same_host", s.same_host), ("receiver.same_host", self.receiver.same_host)):
+            if v not in ("auto", "off"):
+                raise ConfigError(f"{what} must be 'auto' or 'off', not {v!r}")
         for what, v in (("receiver.stall_timeout_s", self.receiver.stall_timeout_s),
                         ("receiver.bootstrap_timeout_s", self.receiver.bootstrap_timeout_s),
                         ("sender.assign_timeout_s", s.assign_timeout_s)):
@@ -214,7 +220,7 @@ class Config:
         self.sender_layout()
 
 
-_SIZE_KEYS = {"max_message_bytes", "aux_row_bytes", "max_frame_bytes"}
+_SIZE_KEYS = {"max_message_bytes", "aux_row_bytes", "max_frame_bytes", "shm_message_bytes"}
 
 
 def _coerce(cls: type, name: str, value: Any, where: str) -> Any:

@@ -64,6 +64,7 @@ class Summary:
     wire_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     received_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     state_bytes_skipped: int = 0
+    same_host_bytes: int = 0
     expected_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     seconds: float = 0.0
     rooms_failed_by_reason: dict[str, int] = field(default_factory=dict)
@@ -129,6 +130,7 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
         "TRANSFERD_SENDER_CP_SIZE": str(base.sender.cp_size),
         "TRANSFERD_SENDER_SPLIT": base.sender.split,
         "TRANSFERD_SENDER_GROUP": base.sender.group,
+        "TRANSFERD_SENDER_SAME_HOST": base.sender.same_host,
     })
     if faults:  # short clocks, so that a fault is detected in about a second
         env.update({
@@ -421,6 +423,7 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
             for k in KINDS:
                 summary.wire_bytes[k] += st["bytes"][k]
             summary.state_bytes_skipped += st["state_bytes_skipped"]
+            summary.same_host_bytes += st["shm_bytes"]
     finally:
         for t in timers:
             t.cancel()
@@ -494,8 +497,10 @@ def _print_summary(s: Summary, ok: bool) -> None:
     total_wire = sum(s.wire_bytes.values())
     print(f"transferd demo: cp_size {s.cp_size}, split {s.split}: {s.rooms_ok} rooms ok, {s.rooms_failed} failed, "
           f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}")
-    print(f"  wire:     kv {_mb(s.wire_bytes['kv'])}, state {_mb(s.wire_bytes['state'])}, aux {_mb(s.wire_bytes['aux'])}"
-          f" (total {_mb(total_wire)})")
+    via = (f", {_mb(s.same_host_bytes)} of it by the same-host path" if s.same_host_bytes
+           else ", all over ZeroMQ")
+    print(f"  moved:    kv {_mb(s.wire_bytes['kv'])}, state {_mb(s.wire_bytes['state'])}, aux {_mb(s.wire_bytes['aux'])}"
+          f" (total {_mb(total_wire)}{via})")
     print(f"  expected: kv {_mb(s.expected_bytes['kv'])}, state {_mb(s.expected_bytes['state'])}, "
           f"aux {_mb(s.expected_bytes['aux'])} (one copy of each)")
     print(f"  de-dup:   {_mb(s.state_bytes_skipped)} of replicated state not sent")

@@ -42,6 +42,14 @@ def pool_path(name: str) -> Path:
     return shm_dir() / f"transferd-{name}"
 
 
+def host_boot_id() -> str:
+    """This kernel's boot id (same on both sides ⇒ same host, so /dev/shm may be shared)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _align(x: int) -> int:
     return (x + ALIGN - 1) // ALIGN * ALIGN
 

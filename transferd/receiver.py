@@ -26,7 +26,7 @@ from .agent import AgentBase
 from .config import Config
 from .errors import RoomExists, TransferdError, UnknownRoom, VersionMismatch
 from .layout import KINDS, PoolLayout, layout_difference
-from .pool import Pool
+from .pool import Pool, host_boot_id
 from .protocol.checksum import checksum_function
 from .protocol.engine import NAME_RE
 from .protocol.engine import ints as _ints
@@ -34,7 +34,7 @@ from .protocol.engine import nonempty_str as _str
 from .protocol.engine import slot_map
 from .protocol.engine import u64 as _u64
 from .protocol.messages import (
-    Assign, Data, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
+    Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
 )
 from .protocol.policy import SplitMode
 from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance
@@ -57,6 +57,12 @@ class Peer:
     last_seen: float
     epoch: int = 0
     checksum: Callable[[Any], int] | None = None
+    src_pool: Pool | None = None  # the same-host path: this sender's pool, read by the receiver
+
+    def close(self) -> None:
+        if self.src_pool is not None:
+            self.src_pool.close()
+            self.src_pool = None
 
 
 @dataclass(slots=True)
@@ -143,6 +149,8 @@ class Receiver(AgentBase):
     async def _close(self) -> None:
         for room in list(self.rooms.values()):
             self._finish(room, RoomStatus(RoomState.FAILED, "shutdown", f"receiver {self.rcfg.name} shut down"))
+        for peer in self.peers.values():
+            peer.close()
         if hasattr(self, "api"):
             self.api.close()
         if hasattr(self, "router"):
@@ -198,15 +206,17 @@ class Receiver(AgentBase):
         peer = self.peers.get(ident)
         if peer is not None:
             peer.last_seen = time.monotonic()
-        if isinstance(msg, Data):
-            if len(frames) != 3:
-                self._refuse("malformed", f"data message with {len(frames) - 2} payload frames, not 1", ident)
+        if isinstance(msg, (Data, DataRef)):
+            want = 3 if isinstance(msg, Data) else 2
+            if len(frames) != want:
+                self._refuse("malformed", f"{'data' if want == 3 else 'data-ref'} message with "
+                                          f"{len(frames) - 2} payload frames, not {want - 2}", ident)
                 return
             if peer is None:
                 self._refuse("unregistered", "data from an unregistered peer", ident)
                 self._nudge(ident)
                 return
-            self._on_data(peer, msg, frames[2].buffer)
+            self._on_data(peer, msg, frames[2].buffer if want == 3 else None)
             return
         if len(frames) != 2:
             self._refuse("malformed", f"{type(msg).__name__} with {len(frames) - 1} frames, not 1", ident)
@@ -273,11 +283,14 @@ class Receiver(AgentBase):
             refuse(f"group {msg.group} is registered with cp_size {group.cp_size} split {group.split.value}; "
                    f"rank {msg.rank} says cp_size {msg.cp_size} split {split.value}", "inconsistent_group")
             return
+        src_pool = self._same_host_pool(msg)
         if group is None:
             group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split)
         old_ident = group.ranks.get(msg.rank)
         now = time.monotonic()
         known = self.peers.get(ident)
+        if known is not None:
+            known.close()
         if known is not None and msg.epoch > known.epoch:
             reason = (f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and "
                       f"registered again")
@@ -287,6 +300,8 @@ class Receiver(AgentBase):
                     self._finish(room, RoomStatus(RoomState.FAILED, "peer_lost", reason))
         if old_ident is not None and old_ident != ident:
             old = self.peers.pop(old_ident, None)
+            if old is not None:
+                old.close()
             reason = (f"prefill {msg.group} rank {msg.rank} restarted (incarnation "
                       f"{old.incarnation if old else '?'} -> {msg.incarnation})")
             log.warning("%s: %s", self.name, reason)
@@ -295,18 +310,35 @@ class Receiver(AgentBase):
                     self._finish(room, RoomStatus(RoomState.FAILED, "peer_restarted", reason))
         group.ranks[msg.rank] = ident
         self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
-                                 msg.epoch, checksum)
-        self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation))
-        log.info("%s: registered %s rank %d/%d (%s, incarnation %x, pid %d on %s)", self.name, msg.group,
-                 msg.rank, msg.cp_size, split.value, msg.incarnation, msg.pid, msg.host)
+                                 msg.epoch, checksum, src_pool)
+        self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation, shm=src_pool is not None))
+        log.info("%s: registered %s rank %d/%d (%s, incarnation %x, pid %d on %s, %s)", self.name, msg.group,
+                 msg.rank, msg.cp_size, split.value, msg.incarnation, msg.pid, msg.host,
+                 f"same-host path via pool {msg.pool}" if src_pool is not None else "data over the socket")
         for room in self._rooms_of(msg.group):
             if not room.status.state.terminal and room.assigned.get(msg.rank) is None:
                 self._assign(room, group, msg.rank)
 
+    def _same_host_pool(self, msg: Register) -> Pool | None:
+        """Attach the sender's pool when it offers one, runs on this kernel and the pool is
+        reachable here with a compatible layout; otherwise the data comes over the socket."""
+        if not msg.pool or self.rcfg.same_host == "off" or not msg.boot_id or msg.boot_id != host_boot_id():
+            return None
+        try:
+            pool = Pool.attach(msg.pool)
+        except TransferdError as exc:
+            log.info("%s: %s rank %d offers pool %r, not reachable here (%s): data over the socket",
+                     self.name, msg.group, msg.rank, msg.pool, exc)
+            return None
+        if layout_difference(pool.layout, self.layout) is not None:
+            pool.close()
+            return None
+        return pool
+
     def _rooms_of(self, group: str) -> list[DecodeRoom]:
         return [r for r in self.rooms.values() if r.req.group == group]
 
-    def _on_data(self, peer: Peer, msg: Data, payload: memoryview) -> None:
+    def _on_data(self, peer: Peer, msg: Data | DataRef, payload: memoryview | np.ndarray | None) -> None:
         room = self.by_tok.get(msg.tok)
         if room is None:
             self._refuse("unknown_room", f"data for unknown transfer token {msg.tok:x}", peer.ident)
@@ -325,11 +357,21 @@ class Receiver(AgentBase):
                                                          "does not match the layout")
             return
         row_bytes = self._row_bytes[msg.buffer]
+        if isinstance(msg, DataRef):
+            src = peer.src_pool.rows[msg.buffer] if peer.src_pool is not None else None
+            if src is None or msg.src_row + msg.count > src.shape[0]:
+                self._reject_frame(room, peer, "index_out_of_range" if src is not None else "no_shm",
+                                   f"data-ref rows [{msg.src_row}, {msg.src_row + msg.count}) of buffer {msg.buffer}"
+                                   + (f" outside the sender's {src.shape[0]} rows" if src is not None
+                                      else " but no same-host path was agreed"))
+                return
+            payload = src[msg.src_row:msg.src_row + msg.count].reshape(-1)
+        assert payload is not None
         if len(payload) != msg.count * row_bytes:
             self._reject_frame(room, peer, "length_mismatch",
                                f"payload of {len(payload)} bytes for {msg.count} rows of {row_bytes} bytes")
             return
-        if peer.checksum is not None:
+        if peer.checksum is not None and isinstance(msg, Data):
             if msg.checksum is None:
                 self._reject_frame(room, peer, "checksum", "data frame without the checksum its sender announced")
                 return
@@ -354,6 +396,8 @@ class Receiver(AgentBase):
         else:
             self.pool.rows[msg.buffer][rows] = src
         self.acct.add(self._kind_of[msg.buffer], len(payload))
+        if isinstance(msg, DataRef):
+            self.acct.shm_bytes += len(payload)
         room.last_progress = time.monotonic()
         if room.status.state is not RoomState.TRANSFERRING:
             room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
@@ -459,6 +503,7 @@ class Receiver(AgentBase):
     def _peer_lost(self, peer: Peer, reason: str) -> None:
         log.warning("%s: %s", self.name, reason)
         self.peers.pop(peer.ident, None)
+        peer.close()
         group = self.groups.get(peer.group)
         if group is not None and group.ranks.get(peer.rank) == peer.ident:
             del group.ranks[peer.rank]

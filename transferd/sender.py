@@ -27,11 +27,11 @@ from .agent import AgentBase
 from .config import Config
 from .errors import BadRequest, IndexOutOfRange, TransferdError, UnknownRoom
 from .layout import PoolLayout, layout_difference
-from .pool import Pool
+from .pool import Pool, host_boot_id
 from .protocol.checksum import checksum_function
 from .protocol.engine import ints, slot_map, u64
 from .protocol.messages import (
-    Assign, Data, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
+    Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
 )
 from .protocol.policy import RankPlan, SplitMode, rank_plan
 from .protocol.room import RoomState, RoomStatus, advance
@@ -53,6 +53,7 @@ class Conn:
     last_heard: float = 0.0
     last_register: float = 0.0
     epoch: int = 0
+    shm: bool = False  # the receiver reads our pool directly (same host)
 
 
 @dataclass(slots=True)
@@ -170,7 +171,9 @@ class SenderAgent(AgentBase):
         conn.last_register = time.monotonic()
         self._send_ctrl(conn, Register(self.group, self.rank, self.cp_size, self.split.value,
                                        self.layout.fingerprint(), self.layout.to_wire(), self.incarnation,
-                                       os.getpid(), socket.gethostname(), conn.epoch, self.scfg.checksum))
+                                       os.getpid(), socket.gethostname(), conn.epoch, self.scfg.checksum,
+                                       host_boot_id(), self.pool.name if self.scfg.same_host == "auto" and self.pool
+                                       else ""))
 
     def _send_ctrl(self, conn: Conn, msg: Any) -> None:
         """Small control message, never blocking the loop (dropped and counted if the pipe is full)."""
@@ -223,7 +226,9 @@ class SenderAgent(AgentBase):
             if conn.state == "registered" and conn.receiver_inc != msg.incarnation:
                 self._conn_lost(conn, f"receiver {conn.receiver} restarted")
             conn.state, conn.receiver, conn.receiver_inc, conn.reason = "registered", msg.receiver, msg.incarnation, ""
-            log.info("%s: registered with receiver %s at %s", self.name, msg.receiver, conn.endpoint)
+            conn.shm = msg.shm
+            log.info("%s: registered with receiver %s at %s (%s)", self.name, msg.receiver, conn.endpoint,
+                     "same-host path: the receiver reads this pool" if msg.shm else "data over the socket")
         elif msg.retry:
             if conn.state == "registered":
                 self._conn_lost(conn, f"receiver {msg.receiver} at {conn.endpoint} no longer knows this sender "
@@ -410,6 +415,15 @@ class SenderAgent(AgentBase):
 
     async def _send(self, room: SendRoom, kind: int, buffer: int, pos: int, count: int, src_row: int) -> None:
         assert room.conn is not None and room.assign is not None and self.pool is not None
+        if room.conn.shm:
+            if self.faults.drop_frames and self._fault_rng.random() < self.faults.drop_frames:
+                self.acct.dropped["fault_drop_frame"] += 1
+                return
+            await room.conn.sock.send(encode(DataRef(room.assign.tok, kind, buffer, pos, count, src_row)))
+            nbytes = count * self.layout.buffers[buffer].row_bytes
+            self.acct.add(("kv", "state", "aux")[kind], nbytes)
+            self.acct.shm_bytes += nbytes
+            return
         payload = self.pool.rows[buffer][src_row:src_row + count]
         csum = self.checksum(payload) if self.checksum is not None else None
         if self.faults.active:
@@ -429,8 +443,10 @@ class SenderAgent(AgentBase):
     async def _send_runs(self, room: SendRoom, kind: int, buffers: tuple[int, ...], src: np.ndarray,
                          dst: np.ndarray, base: int) -> None:
         pieces = runs(src, dst)
+        assert room.conn is not None
+        cap = self.scfg.shm_message_bytes if room.conn.shm else self.scfg.max_message_bytes
         for b in buffers:
-            step = max(1, self.scfg.max_message_bytes // self.layout.buffers[b].row_bytes)
+            step = max(1, cap // self.layout.buffers[b].row_bytes)
             for a, e in pieces:
                 for p in range(a, e, step):
                     if room.status.state.terminal:

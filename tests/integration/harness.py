@@ -121,7 +121,7 @@ class Cluster:
             data: dict[str, Any] = {"sender": {
                 "group": group, "cp_size": cp_size, "cp_rank": rank, "split": split, "receivers": receivers,
                 "pool": f"{self.tag}-{group}-r{{rank}}", "kv_pages": kv_pages, "state_slots": 32,
-                "aux_slots": 32, **extra}}
+                "aux_slots": 32, "same_host": "off", **extra}}  # data over the socket unless a test asks
             if model:
                 data["model"] = model
             if faults:

@@ -27,11 +27,14 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("cp, split", [(1, "pages"), (2, "pages"), (8, "pages"), (8, "layers"), (8, "rank0")])
-def test_demo_is_byte_exact_with_exact_wire_accounting(tmp_path: Path, cp: int, split: str) -> None:
+@pytest.mark.parametrize("cp, split, same_host", [
+    (1, "pages", "off"), (2, "pages", "off"), (2, "pages", "auto"), (8, "pages", "off"), (8, "layers", "off"),
+    (8, "rank0", "off"), (8, "pages", "auto"),
+])
+def test_demo_is_byte_exact_with_exact_wire_accounting(tmp_path: Path, cp: int, split: str, same_host: str) -> None:
     out = tmp_path / "summary.json"
     proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--cp-size", str(cp), "--split", split,
-                           "--rooms", "12", "--chunks", "3", "--json", str(out)],
+                           "--rooms", "12", "--chunks", "3", "--same-host", same_host, "--json", str(out)],
                           cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads(out.read_text())
@@ -44,6 +47,8 @@ def test_demo_is_byte_exact_with_exact_wire_accounting(tmp_path: Path, cp: int, 
     skipped = (cp - 1) * s["expected_bytes"]["state"] if split in ("pages", "rank0") else 0
     assert s["state_bytes_skipped"] == skipped
     assert "PASS" in proc.stdout and f"cp_size {cp}, split {split}" in proc.stdout
+    # the same-host path moves every byte by the receiver's one copy out of the senders' pools
+    assert s["same_host_bytes"] == (sum(s["wire_bytes"].values()) if same_host == "auto" else 0)
 
 
 def test_demo_fails_loudly_when_its_pools_are_too_small(tmp_path: Path) -> None:

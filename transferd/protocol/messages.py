@@ -17,10 +17,11 @@ from ..errors import DecodeError, VersionMismatch
 
 # Incompatible changes bump this; peers with another version are refused at registration.
 # History:
-#   1 — first version: register/registered, assign, data, done, fail, status, ping/pong.
+#   1 — first version: register/registered, assign, data, data-ref, done, fail, status, ping/pong.
 PROTOCOL_VERSION = 1
 
 DATA_TAG = 1
+DATA_REF_TAG = 2
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # an assign for a very long room still fits; more is hostile
 U64_MAX = (1 << 64) - 1
 
@@ -81,12 +82,16 @@ class Register:
     identity ends the rooms the old connection had."""
     checksum: str = "none"
     """Per-frame checksum this sender appends to data headers: ``none``, ``xxh3`` or ``crc32``."""
+    boot_id: str = ""
+    """The host's boot id: equal on both sides means the same kernel (and maybe the same /dev/shm)."""
+    pool: str = ""
+    """The sender's pool name, offered for the same-host path ("" = not offered)."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "group": self.group, "rank": self.rank,
                 "cp_size": self.cp_size, "split": self.split, "fp": self.fingerprint,
                 "layout": self.layout, "inc": self.incarnation, "pid": self.pid, "host": self.host,
-                "epoch": self.epoch, "checksum": self.checksum}
+                "epoch": self.epoch, "checksum": self.checksum, "boot_id": self.boot_id, "pool": self.pool}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Register:
@@ -96,7 +101,8 @@ class Register:
                    fingerprint=_req(d, "fp", str, w), layout=_req(d, "layout", dict, w),
                    incarnation=_int(d, "inc", w), pid=_int(d, "pid", w, 0, 1 << 32),
                    host=_req(d, "host", str, w), epoch=_int(d, "epoch", w),
-                   checksum=_req(d, "checksum", str, w))
+                   checksum=_req(d, "checksum", str, w), boot_id=_req(d, "boot_id", str, w),
+                   pool=_req(d, "pool", str, w))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,17 +116,19 @@ class Registered:
     incarnation: int
     retry: bool = False
     """On a refusal: register again (the receiver does not know this peer, e.g. it restarted)."""
+    shm: bool = False
+    """Accepted with the same-host path: the receiver reads the sender's pool; send data-ref."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "ok": self.ok, "reason": self.reason,
-                "receiver": self.receiver, "inc": self.incarnation, "retry": self.retry}
+                "receiver": self.receiver, "inc": self.incarnation, "retry": self.retry, "shm": self.shm}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Registered:
         w = "registered"
         return cls(ok=_req(d, "ok", bool, w), reason=_req(d, "reason", str, w),
                    receiver=_req(d, "receiver", str, w), incarnation=_int(d, "inc", w),
-                   retry=_req(d, "retry", bool, w))
+                   retry=_req(d, "retry", bool, w), shm=_req(d, "shm", bool, w))
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +183,24 @@ class Data:
         if self.checksum is not None:
             h.append(self.checksum)
         return h
+
+
+@dataclass(frozen=True, slots=True)
+class DataRef:
+    """Sender → receiver on the same host: like :class:`Data`, but instead of a payload frame the
+    receiver copies ``count`` rows starting at ``src_row`` of the same buffer of the sender's pool
+    (one copy, done by the receiver after its checks). Header ``[2, tok, kind, buffer, pos, count,
+    src_row]``, no payload frame."""
+
+    tok: int
+    kind: int
+    buffer: int
+    pos: int
+    count: int
+    src_row: int
+
+    def header(self) -> list[int]:
+        return [DATA_REF_TAG, self.tok, self.kind, self.buffer, self.pos, self.count, self.src_row]
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +299,7 @@ class Pong:
 
 
 Control = Union[Register, Registered, Assign, Done, Fail, Status, Ping, Pong]
-Message = Union[Control, Data]
+Message = Union[Control, Data, DataRef]
 
 CONTROL_TYPES: dict[str, Any] = {
     c.T: c for c in (Register, Registered, Assign, Done, Fail, Status, Ping, Pong)
@@ -293,6 +319,14 @@ def decode_header(frame: bytes | memoryview) -> Message:
         obj = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise DecodeError(f"malformed msgpack header: {type(exc).__name__}: {exc}") from None
+    if isinstance(obj, list) and obj and obj[0] == DATA_REF_TAG:
+        if len(obj) != 7 or not all(type(x) is int for x in obj):
+            raise DecodeError("data-ref header must be [2, tok, kind, buffer, pos, count, src_row] of ints")
+        tok, kind, buf, pos, count, src_row = obj[1:]
+        if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
+                and 1 <= count < 1 << 32 and 0 <= src_row < 1 << 40):
+            raise DecodeError(f"data-ref header fields out of range: {obj}")
+        return DataRef(tok, kind, buf, pos, count, src_row)
     if isinstance(obj, list):
         if len(obj) not in (6, 7) or obj[0] != DATA_TAG or not all(type(x) is int for x in obj):
             raise DecodeError("data header must be [1, tok, kind, buffer, pos, count(, checksum)] of ints")
