@@ -143,6 +143,7 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
             env["TRANSFERD_FAULTS_DROP_FRAMES"] = str(f.arg)
         elif f.kind == "corrupt-frames":
             env["TRANSFERD_FAULTS_CORRUPT_FRAMES"] = str(f.arg)
+            env["TRANSFERD_SENDER_SAME_HOST"] = "off"  # corruption happens on the wire: keep the data there
             if base.sender.checksum == "none":  # corruption must be caught: turn the integrity option on
                 env["TRANSFERD_SENDER_CHECKSUM"] = "xxh3"
         elif f.kind == "slow-receiver":

@@ -326,7 +326,8 @@ def test_data_header_out_of_range(frame: bytes) -> None:
         _data(1, 7, 0, 0, 0),               # too short
         _data(1, 7, 0, 0, 0, 1, 0, 0),      # too long
         _data(1, 7, 0, 0, 0, 1, "c"),       # checksum not an int
-        _data(2, 7, 0, 0, 0, 1),            # wrong tag
+        _data(3, 7, 0, 0, 0, 1),            # unknown tag
+        _data(2, 7, 0, 0, 0, 1),            # data-ref tag without its src_row
         _data(1, 7, 0, 0, 0, True),         # bool
         _data(1, 7, 0, 0, 0, 1.0),          # float
         _data(1, "7", 0, 0, 0, 1),          # str
@@ -335,8 +336,19 @@ def test_data_header_out_of_range(frame: bytes) -> None:
     ],
 )
 def test_data_header_shape(frame: bytes) -> None:
-    with pytest.raises(DecodeError, match="data header"):
+    with pytest.raises(DecodeError, match="data(-ref)? header"):
         decode_header(frame)
+
+
+def test_data_ref_round_trip_and_limits() -> None:
+    from transferd.protocol.messages import DataRef
+
+    m = DataRef(5, 0, 3, 7, 2, 99)
+    assert decode_header(encode(m)) == m
+    with pytest.raises(DecodeError, match="data-ref header fields out of range"):
+        decode_header(_data(2, 5, 0, 3, 7, 0, 99))  # count 0
+    with pytest.raises(DecodeError, match="data-ref header fields out of range"):
+        decode_header(_data(2, 5, 0, 3, 7, 1, 1 << 40))
 
 
 def test_data_header_limits_inclusive() -> None:
