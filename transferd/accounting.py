@@ -19,6 +19,7 @@ class Accounting:
     dropped: Counter[str] = field(default_factory=Counter)
     rooms: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
+    heartbeat_misses: Counter[str] = field(default_factory=Counter)
 
     def add(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes
@@ -34,4 +35,5 @@ class Accounting:
             "dropped": dict(self.dropped),
             "rooms": dict(self.rooms),
             "failures": dict(self.failures),
+            "heartbeat_misses": dict(self.heartbeat_misses),
         }

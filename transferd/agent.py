@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
+import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import zmq.asyncio
+
+from .errors import TransferdError
+from .notify import sd_notify, watchdog_interval_s
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,13 +31,36 @@ class AgentBase:
     """``serve()`` runs until ``stop()``; subclasses implement ``_start()``/``_close()``."""
 
     name = "agent"
+    metrics_bind = ""
+    metrics_port_offset = 0
+    drain_timeout_s = 30.0
 
     def __init__(self) -> None:
+        from .metrics import AgentMetrics
+
         self.ctx: zmq.asyncio.Context | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.started = threading.Event()
+        self.ready: asyncio.Event | None = None  # set when bound (receiver) / registered (sender)
+        self.draining = False
+        self.metrics = AgentMetrics(self)
+        self.t_start = time.time()
+
+    # -- what subclasses report ------------------------------------------------------------
+    def live_rooms(self) -> int:
+        raise NotImplementedError
+
+    def status_line(self) -> str:
+        raise NotImplementedError
+
+    def metric_snapshot(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            raise TransferdError(f"{self.name} is shutting down and takes no new rooms")
 
     async def _start(self) -> None:
         raise NotImplementedError
@@ -58,18 +86,51 @@ class AgentBase:
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
+        self.ready = asyncio.Event()
         self.ctx = zmq.asyncio.Context()
         try:
             await self._start()
+            if self.metrics_bind:
+                self.metrics.serve(self.metrics_bind, self.metrics_port_offset)
+            self.spawn(self._notify_loop(), "notify")
             self.started.set()
             await self._stop_event.wait()
         finally:
+            sd_notify("STOPPING=1")
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._close()
+            self.metrics.close()
             self.ctx.destroy(linger=0)
             self.started.set()
+
+    async def _notify_loop(self) -> None:
+        """systemd: READY=1 once ready, then STATUS= lines, and WATCHDOG=1 pings from this event
+        loop (so a stuck loop is restarted by systemd) when the unit sets WatchdogSec."""
+        assert self.ready is not None
+        await self.ready.wait()
+        sd_notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={os.getpid()}")
+        interval = watchdog_interval_s()
+        while True:
+            await asyncio.sleep(min(interval or 5.0, 5.0))
+            sd_notify(("WATCHDOG=1\n" if interval else "") + f"STATUS={self.status_line()}")
+
+    async def drain(self) -> None:
+        """SIGTERM: take no new rooms, let rooms in flight finish for up to ``drain_timeout_s``,
+        then stop (the rest fail with "shutting down")."""
+        if self.draining:
+            self.stop()  # a second signal: stop now
+            return
+        self.draining = True
+        sd_notify(f"STOPPING=1\nSTATUS=draining {self.live_rooms()} rooms")
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.live_rooms() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.live_rooms():
+            log.warning("%s: drain timeout (%.0fs): failing %d rooms still in flight", self.name,
+                        self.drain_timeout_s, self.live_rooms())
+        self.stop()
 
     def stop(self) -> None:
         """Ask ``serve()`` to return; safe from any thread."""

@@ -42,7 +42,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -52,7 +53,7 @@ from .client import DecodeClient, PrefillClient
 from .config import Config, ReceiverConfig, SenderConfig, load
 from .errors import ClientTimeout, ConfigError, TransferdError
 from .layout import ModelSpec, PoolLayout
-from .pool import Pool, pool_path, shm_dir
+from .pool import Pool, shm_dir
 from .protocol.policy import SplitMode, contiguous_slice, group_plans
 from .protocol.room import RoomState
 
@@ -80,7 +81,7 @@ class Plan:
     repeats: int
     bulk_room_bytes: int  # KV bytes of one bulk room
     bulk_rooms: int  # bulk rooms per measurement, all in flight; the limits move the same bytes
-    dedup_rooms: int  # typical rooms per de-dup measurement
+    dedup_rooms: int  # typical rooms per de-dup measurement, in flight together (times are per room)
     small_latency_rooms: int  # one after another
     small_batch_rooms: int  # all in flight
     small_verify_every: int
@@ -89,7 +90,7 @@ class Plan:
 
 QUICK = Plan(repeats=3, bulk_room_bytes=16 * MiB, bulk_rooms=8, dedup_rooms=1, small_latency_rooms=40,
              small_batch_rooms=128, small_verify_every=16)
-FULL = Plan(repeats=7, bulk_room_bytes=16 * MiB, bulk_rooms=16, dedup_rooms=2, small_latency_rooms=200,
+FULL = Plan(repeats=7, bulk_room_bytes=16 * MiB, bulk_rooms=16, dedup_rooms=1, small_latency_rooms=200,
             small_batch_rooms=512, small_verify_every=32)
 
 
@@ -108,9 +109,9 @@ def dedup_config_path() -> Path:
 
 # -- small helpers ---------------------------------------------------------------------------
 
-def _median(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return float(statistics.median(xs)) if xs else None
+def _median(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return float(statistics.median(vals)) if vals else None
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -188,7 +189,8 @@ class _Cluster:
     dc: DecodeClient | None = None
     dpool: Pool | None = None
     groups: dict[str, _Group] = field(default_factory=dict)
-    dst_perm: np.ndarray | None = None  # destination pages, in the order rooms take them
+    # destination pages, in the order rooms take them
+    dst_perm: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pages: int = 0  # pages per bulk room
 
     @property
@@ -274,6 +276,7 @@ class _Bench:
         self._room = random.getrandbits(40) << 16
         self.notes: dict[str, str] = {}
         self.codes: dict[str, int | None] = {}
+        self.mooncake: _Mooncake | None = None
 
     # -- output --------------------------------------------------------------------------
     def say(self, msg: str) -> None:
@@ -362,6 +365,15 @@ class _Bench:
                         kv_token_elems=MiB).layout(ring // MiB, 0, 1)
         self.lim_pool = Pool.create(f"{self.tag}-limits", lim)
         self._start_raw_sender()
+        if importlib.util.find_spec("mooncake") is None:
+            self.notes["peers"] = ("mooncake-transfer-engine-non-cuda is not installed: no Mooncake column "
+                                   "(pip install mooncake-transfer-engine-non-cuda; it needs Debian's libibverbs1)")
+        else:
+            try:
+                self.mooncake = _Mooncake(self.lim_pool, self.run_dir)
+            except Exception as exc:  # a peer that does not start is a note, not a failed bench
+                self.notes["peers"] = f"mooncake is installed but did not start: {exc!r}"
+                self.mooncake = None
         # receivers first (their addresses are picked by the kernel), then every sender at once
         for key in ("64KiB", "256KiB", "1MiB"):
             pages = p.bulk_room_bytes // (BULK_LAYERS * SIZES[key])
@@ -473,7 +485,7 @@ class _Bench:
         self.ds.dst_perm = rng.permutation(layout.kv_rows)
 
     # -- verification --------------------------------------------------------------------
-    def _poison(self, c: _Cluster, dst: np.ndarray, state: dict[str, list[int]], aux: int) -> None:
+    def _poison(self, c: _Cluster, dst: np.ndarray, state: dict[str, Sequence[int]], aux: int) -> None:
         assert c.dpool is not None
         lay = c.layout
         for b in lay.indices("kv"):
@@ -484,8 +496,9 @@ class _Bench:
                 c.dpool.rows[b][slots] = POISON
         c.dpool.rows[lay.aux_index][aux] = POISON
 
-    def _verify(self, c: _Cluster, g: _Group, dst: np.ndarray, srcs: list[np.ndarray], state_dst: dict[str, list[int]],
-                state_src: dict[str, list[int]], aux_dst: int, aux_src: int) -> None:
+    def _verify(self, c: _Cluster, g: _Group, dst: np.ndarray, srcs: list[np.ndarray],
+                state_dst: dict[str, Sequence[int]], state_src: dict[str, Sequence[int]], aux_dst: int,
+                aux_src: int) -> None:
         """Byte-exact comparison of one successful room with what the policy says each rank sent."""
         assert c.dpool is not None
         lay = c.layout
@@ -590,14 +603,14 @@ class _Bench:
                 src = g.src_pages[0][j * P:(j + 1) * P]
                 dst = c.dst_perm[j * P:(j + 1) * P]
             _guard(sp, j, room)
-            pc.submit(room, 0, src, last=True, aux_slot=j)
+            pc.submit(room, 0, src.tolist(), last=True, aux_slot=j)
             rooms.append((room, src, dst))
         self._poison(c, rooms[0][2], {}, 0)
         shm0 = int(pc.stats().get("shm_bytes", 0))
         cpu0 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
         t0 = time.perf_counter()
         for j, (room, _, dst) in enumerate(rooms):
-            c.dc.expect(room, g.name, dst, aux_slot=j)
+            c.dc.expect(room, g.name, dst.tolist(), aux_slot=j)
         ok = self._wait_all(c, [(g.name, room) for room, _, _ in rooms])
         dt = time.perf_counter() - t0
         cpu1 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
@@ -614,7 +627,7 @@ class _Bench:
             out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
         return out
 
-    def _ds_state(self, slot: int) -> dict[str, list[int]]:
+    def _ds_state(self, slot: int) -> dict[str, Sequence[int]]:
         return {comp: [slot] for comp in self.ds.layout.state_components}  # type: ignore[union-attr]
 
     def dedup_on(self, cp: int) -> dict[str, Any]:
@@ -628,19 +641,19 @@ class _Bench:
             room = self.room_id()
             _guard(g.pools[0], j, room)
             for r, pc in enumerate(g.pcs):
-                pc.submit(room, 0, g.src_pages[r], last=True, state=self._ds_state(0), aux_slot=j)
+                pc.submit(room, 0, g.src_pages[r].tolist(), last=True, state=self._ds_state(0), aux_slot=j)
             rooms.append((room, c.dst_perm[j * n:(j + 1) * n]))
         self._poison(c, rooms[0][1], self._ds_state(0), 0)
         before = self._sent([g])
         t0 = time.perf_counter()
         for j, (room, dst) in enumerate(rooms):
-            c.dc.expect(room, g.name, dst, aux_slot=j, state=self._ds_state(j))
+            c.dc.expect(room, g.name, dst.tolist(), aux_slot=j, state=self._ds_state(j))
         ok = self._wait_all(c, [(g.name, room) for room, _ in rooms])
         dt = time.perf_counter() - t0
         after = self._sent([g])
         self._verify(c, g, rooms[0][1], g.src_pages, self._ds_state(0), self._ds_state(0), 0, 0)
         self._release(c, [(g.name, room) for room, _ in rooms])
-        return {"seconds": dt if ok == R else None, "wire": after[0] - before[0], "skipped": after[1] - before[1],
+        return {"seconds": dt / R if ok == R else None, "wire": after[0] - before[0], "skipped": after[1] - before[1],
                 "rooms": R}
 
     def dedup_off(self, cp: int) -> dict[str, Any]:
@@ -658,21 +671,21 @@ class _Bench:
                 a, b = contiguous_slice(n, cp, r)
                 room = self.room_id()
                 _guard(g.pools[0], j, room)
-                g.pcs[0].submit(room, 0, g.src_pages[0][a:b], last=True, state=self._ds_state(0), aux_slot=j)
+                g.pcs[0].submit(room, 0, g.src_pages[0][a:b].tolist(), last=True, state=self._ds_state(0), aux_slot=j)
                 rooms.append((g, room, a, dst_room[a:b], j * cp + r, j))
         g0, _, a0, dst0, slot0, _ = rooms[0]
         self._poison(c, dst0, self._ds_state(slot0), slot0)
         before = self._sent(groups)
         t0 = time.perf_counter()
         for g, room, a, dst, slot, j in rooms:
-            c.dc.expect(room, g.name, dst, aux_slot=slot, state=self._ds_state(slot))
+            c.dc.expect(room, g.name, dst.tolist(), aux_slot=slot, state=self._ds_state(slot))
         ok = self._wait_all(c, [(g.name, room) for g, room, *_ in rooms])
         dt = time.perf_counter() - t0
         after = self._sent(groups)
         a, b = contiguous_slice(n, cp, 0)
         self._verify(c, g0, dst0, [g0.src_pages[0][a:b]], self._ds_state(slot0), self._ds_state(0), slot0, 0)
         self._release(c, [(g.name, room) for g, room, *_ in rooms])
-        return {"seconds": dt if ok == len(rooms) else None, "wire": after[0] - before[0], "rooms": R}
+        return {"seconds": dt / R if ok == len(rooms) else None, "wire": after[0] - before[0], "rooms": R}
 
     def small(self, cp: int) -> dict[str, Any]:
         c = self.ds
@@ -743,19 +756,38 @@ class _Bench:
     def subjects(self) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         out: list[tuple[str, Callable[[], dict[str, Any]]]] = []
         for key in SIZES:
-            out.append((f"memcpy/{key}", lambda k=key: self.memcpy(k)))
-            out.append((f"raw_zmq/{key}", lambda k=key: self.raw_zmq(k)))
+            out.append((f"memcpy/{key}", partial(self.memcpy, key)))
+            out.append((f"raw_zmq/{key}", partial(self.raw_zmq, key)))
         for key in BULK_KEYS:
-            out.append((f"bulk/{key}", lambda k=key: self.bulk_room(k)))
+            out.append((f"bulk/{key}", partial(self.bulk_room, key)))
             if HAS_SAME_HOST:
-                out.append((f"bulk_shm/{key}", lambda k=key: self.bulk_room(k, same_host=True)))
+                out.append((f"bulk_shm/{key}", partial(self.bulk_room, key, same_host=True)))
         for cp in DEDUP_CPS:
-            out.append((f"dedup_on/{cp}", lambda n=cp: self.dedup_on(n)))
+            out.append((f"dedup_on/{cp}", partial(self.dedup_on, cp)))
             if cp > 1:
-                out.append((f"dedup_off/{cp}", lambda n=cp: self.dedup_off(n)))
+                out.append((f"dedup_off/{cp}", partial(self.dedup_off, cp)))
         for cp in SMALL_CPS:
-            out.append((f"small/{cp}", lambda n=cp: self.small(n)))
+            out.append((f"small/{cp}", partial(self.small, cp)))
+        if self.mooncake is not None:
+            for key in SIZES:
+                out.append((f"mooncake/{key}", partial(self.mooncake_tcp, key)))
         return out
+
+    def mooncake_tcp(self, key: str) -> dict[str, Any]:
+        assert self.mooncake is not None and self.lim_pool is not None
+        verify = key not in self.mooncake.verified
+        if verify:  # memcpy and raw zmq leave the same bytes there: start from a known other pattern
+            self.lim_pool.rows[1][:] = POISON
+        total = self.plan.bulk_room_bytes * self.plan.bulk_rooms
+        try:
+            dt = self.mooncake.write(SIZES[key], total)
+        except Exception as exc:
+            self.notes["peers"] = f"mooncake tcp transfer failed: {exc}"
+            return {"gbps": None}
+        if verify:
+            self.mooncake.mismatched += int(np.count_nonzero(self.lim_pool.rows[1] != self.lim_pool.rows[0]))
+            self.mooncake.verified.add(key)
+        return {"gbps": total / dt / 1e9}
 
     def run_rounds(self) -> None:
         self._wait_raw_ready()
@@ -779,8 +811,9 @@ class _Bench:
         if self.ctrl is not None and self.raw is not None and self.raw.poll() is None:
             try:
                 self.ctrl.send(msgpack.packb(None), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+                self.raw.wait(5)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                pass  # stopped with the daemons below
         for c in self.clusters.values():
             if c.dc is not None:
                 c.dc.close()
@@ -796,6 +829,8 @@ class _Bench:
                 s.close(linger=0)
         if self.raw_ctx is not None:
             self.raw_ctx.term()
+        if self.mooncake is not None:
+            self.mooncake.close()
         self.codes = self.daemons.stop()
         if self.lim_pool is not None:
             self.lim_pool.close()
@@ -804,6 +839,20 @@ class _Bench:
             f.unlink(missing_ok=True)
         if self.progress:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+    def _peers_report(self, med: Callable[[str, str], float | None],
+                      paired: Callable[[str, str], float | None]) -> dict[str, Any]:
+        if self.mooncake is None:
+            return {}
+        by_size = {key: _r(med(f"mooncake/{key}", "gbps"), 3) for key in SIZES}
+        self.notes.setdefault("peers", "Mooncake Transfer Engine, TCP transport, P2P handshake, target in another "
+                                       "process writing into a shared-memory pool; same bytes as the bulk rooms")
+        return {"mooncake_tcp_gbps": by_size["1MiB"], "mooncake_tcp_gbps_by_size": by_size,
+                "mooncake_tcp_rounds": {key: [_r(r["gbps"], 3) for r in self.results.get(f"mooncake/{key}", [])]
+                                        for key in SIZES},
+                "transferd_tcp_vs_mooncake_tcp_by_size": {key: _r(paired(f"bulk/{key}", f"mooncake/{key}"), 3)
+                                                          for key in SIZES},
+                "mooncake_tcp_mismatched_bytes": self.mooncake.mismatched}
 
     def dump_logs(self) -> None:
         for p in self.daemons.procs:
@@ -970,16 +1019,97 @@ class _Bench:
                                         "met": _met(dedup["cp8"]["time_on_vs_off"], 1.0, False)},
             ">= 2x mooncake tcp": {"value": None, "met": None},
         }
+        if self.mooncake is not None:
+            v = paired("bulk/1MiB", "mooncake/1MiB")
+            ratios["vs_mooncake_tcp"] = _r(v, 3)
+            ratios["notes"]["vs_mooncake_tcp"] = ("transferd bulk rooms of 1 MiB rows over TCP vs Mooncake Transfer "
+                                                  "Engine's TCP transport writing the same bytes in 1 MiB pieces")
+            targets[">= 2x mooncake tcp"] = {"value": _r(v, 3), "met": _met(v, TARGETS["vs_mooncake_tcp"], True)}
         return {
             "bench_version": BENCH_VERSION, "quick": self.quick, "repeats": self.plan.repeats,
             "host": _host(), "limits": limits, "bulk": bulk,
             "same_host": same_host,
             "small_rooms": small, "dedup": dedup, "ratios": ratios, "targets": targets,
-            "peers": {}, "notes": self.notes,
+            "peers": self._peers_report(med, paired), "notes": self.notes,
             "mismatched_bytes": self.mismatched, "verified_rooms": self.verified_rooms,
             "rooms_ok": self.ok_rooms, "rooms_failed": sum(self.failed_rooms.values()),
             "rooms_failed_by_reason": dict(self.failed_rooms),
         }
+
+
+class _Mooncake:
+    """Mooncake Transfer Engine's TCP transport (P2P handshake, no metadata server), the peer column:
+    this process writes buffer 0 of the limits' pool into buffer 1 as mapped by a target process
+    (``mooncake_target_main``), in pieces of the message size, batches of at most 16 MiB."""
+
+    def __init__(self, pool: Pool, run_dir: Path) -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO lines would bury the table on stderr
+        from mooncake.engine import TransferEngine
+
+        self.verified: set[str] = set()
+        self.mismatched = 0
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root()),
+                                                                           os.environ.get("PYTHONPATH")]))}
+        self.log = open(run_dir / "logs" / "mooncake-target.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from transferd.bench import mooncake_target_main as m; "
+             "sys.exit(m(sys.argv[1:]))", pool.name], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, start_new_session=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise TransferdError("the mooncake target process exited before it was ready")
+        info = json.loads(line)
+        self.target, self.dst = f"127.0.0.1:{info['port']}", int(info["addr"])
+        self.te = TransferEngine()
+        if self.te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise TransferdError("TransferEngine.initialize failed")
+        src = pool.rows[0]
+        self.src, self.ring = int(src.ctypes.data), src.nbytes
+        if self.te.register_memory(self.src, self.ring) != 0:
+            raise TransferdError("TransferEngine.register_memory failed")
+
+    def write(self, size: int, total: int) -> float:
+        n = total // size
+        batch = max(1, (16 * MiB) // size)
+        slots = self.ring // size
+        t0 = time.perf_counter()
+        for b0 in range(0, n, batch):
+            offs = [((b0 + i) % slots) * size for i in range(min(batch, n - b0))]
+            rc = self.te.batch_transfer_sync_write(self.target, [self.src + o for o in offs],
+                                                   [self.dst + o for o in offs], [size] * len(offs))
+            if rc != 0:
+                raise TransferdError(f"batch_transfer_sync_write returned {rc}")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(b"\n")
+            self.proc.stdin.flush()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def mooncake_target_main(argv: list[str]) -> int:
+    """The Mooncake target: maps the pool, registers buffer 1, prints ``{"port", "addr"}``, and
+    serves until a line arrives on stdin."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from mooncake.engine import TransferEngine
+
+    pool = Pool.attach(argv[0])
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        return 1
+    dst = pool.rows[1]
+    if te.register_memory(int(dst.ctypes.data), dst.nbytes) != 0:
+        return 1
+    print(json.dumps({"port": te.get_rpc_port(), "addr": int(dst.ctypes.data)}), flush=True)
+    sys.stdin.readline()
+    return 0
 
 
 def _met(v: float | None, target: float, at_least: bool) -> bool | None:
@@ -1026,7 +1156,7 @@ def raw_zmq_sender_main(argv: list[str]) -> int:
             ring = src.size // size
             for i in range(count):
                 o = (i % ring) * size
-                push.send(src[o:o + size], copy=False)
+                push.send(src[o:o + size].data, copy=False)
             ctrl.send(b"sent")
     finally:
         push.close(linger=0)
@@ -1058,6 +1188,12 @@ def format_table(out: dict[str, Any]) -> str:
     lines.append("  × memcpy".ljust(34) + "".join(_f(bulk[k]["vs_memcpy"]).rjust(w) for k in keys))
     lines.append("  receiver CPU s/GB".ljust(34) + "".join(_f(bulk[k]["receiver_cpu_s_per_gb"]).rjust(w) for k in keys))
     lines.append("  sender CPU s/GB".ljust(34) + "".join(_f(bulk[k]["sender_cpu_s_per_gb"]).rjust(w) for k in keys))
+    peers = out["peers"]
+    if peers.get("mooncake_tcp_gbps_by_size"):
+        mc = peers["mooncake_tcp_gbps_by_size"]
+        lines.append("Mooncake TE tcp (peer) GB/s".ljust(34) + "".join(_f(mc[k]).rjust(w) for k in keys))
+        rel = peers["transferd_tcp_vs_mooncake_tcp_by_size"]
+        lines.append("  transferd tcp × Mooncake".ljust(34) + "".join(_f(rel[k]).rjust(w) for k in keys))
     bc = bulk["64KiB_contig"]
     lines.append(f"transferd tcp, 64 KiB rows on contiguous pages (1 MiB messages): {_f(bc['gbps'])} GB/s, "
                  f"{_f(bc['vs_raw_zmq'])} × raw pyzmq 1 MiB")
@@ -1088,7 +1224,8 @@ def format_table(out: dict[str, Any]) -> str:
     lines.append(f"CP de-dup, {d['config']} ({d['model']}): a {d['room_tokens']}-token room, KV "
                  f"{d['kv_bytes_per_room'] / 1e6:.2f} MB, replicated state {d['state_bytes_per_room'] / 1e6:.2f} MB "
                  f"(S/KV {d['state_kv_ratio']:.4f})")
-    lines.append("  cp  wire MB off  wire MB on   cut measured  cut analytic   ms off*   ms on   on/off")
+    lines.append("  cp  wire MB off  wire MB on   cut measured  cut analytic   ms off*   ms on   on/off   (ms per room, "
+                 "expect → Success)")
     for cp in DEDUP_CPS:
         e = d[f"cp{cp}"]
         cut_m = None if e["measured_cut"] is None else 100 * e["measured_cut"]
@@ -1105,9 +1242,7 @@ def format_table(out: dict[str, Any]) -> str:
         met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
         v = t["value"]
         lines.append(f"  {name:<42} {_f(v, '{:.4g}') if isinstance(v, (int, float)) else '—':>10}  {met}")
-    peers = out["peers"]
-    lines.append("peers: " + (", ".join(f"{k} {v}" for k, v in peers.items()) if peers
-                              else out["notes"].get("peers", "none")))
+    lines.append(f"peers: {out['notes'].get('peers', 'none')}")
     lines.append(f"rooms: {out['rooms_ok']} ok, {out['rooms_failed']} failed; {out['verified_rooms']} verified byte "
                  f"for byte, {out['mismatched_bytes']} mismatched bytes; {out.get('seconds', 0):.1f} s")
     return "\n".join(lines)
@@ -1121,9 +1256,14 @@ def plot(out: dict[str, Any], path: str) -> None:
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
     xs = [SIZES[k] / KiB for k in SIZES]
-    for label, ys in (("memcpy → pool", [out["limits"]["memcpy"][k]["gbps"] for k in SIZES]),
-                      ("raw pyzmq tcp", [out["limits"]["raw_zmq_tcp"][k]["gbps"] for k in SIZES]),
-                      ("transferd tcp", [out["bulk"][k]["gbps"] for k in SIZES])):
+    series = [("memcpy → pool", [out["limits"]["memcpy"][k]["gbps"] for k in SIZES]),
+              ("raw pyzmq tcp", [out["limits"]["raw_zmq_tcp"][k]["gbps"] for k in SIZES]),
+              ("transferd tcp", [out["bulk"][k]["gbps"] for k in SIZES])]
+    if out["same_host"].get("available"):
+        series.append(("transferd same-host", [out["same_host"][k]["gbps"] for k in SIZES]))
+    if out["peers"].get("mooncake_tcp_gbps_by_size"):
+        series.append(("Mooncake TE tcp", [out["peers"]["mooncake_tcp_gbps_by_size"][k] for k in SIZES]))
+    for label, ys in series:
         ax1.plot(xs, [y if y is not None else float("nan") for y in ys], marker="o", label=label)
     ax1.set_xscale("log", base=2)
     ax1.set_xticks(xs, [k for k in SIZES])
@@ -1158,18 +1298,6 @@ def plot(out: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# -- the peers ------------------------------------------------------------------------------------
-
-def _peers(notes: dict[str, str]) -> dict[str, Any]:
-    if importlib.util.find_spec("mooncake") is None:
-        notes["peers"] = ("mooncake-transfer-engine-non-cuda is not installed: no Mooncake column "
-                          "(pip install mooncake-transfer-engine-non-cuda; it needs Debian's libibverbs1)")
-        return {}
-    notes["peers"] = ("mooncake is importable, but this bench has no Mooncake measurement yet: no column "
-                      "(see docs/PERFORMANCE.md)")
-    return {}
 
 
 # -- entry point ----------------------------------------------------------------------------------
@@ -1227,7 +1355,6 @@ def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_pa
     bench.close()
     shutil.rmtree(run_dir, ignore_errors=True)
     assert out is not None
-    out["peers"] = _peers(out["notes"])
     out["host"]["loadavg_before"] = load_before
     out["daemon_exit_codes"] = {k: v for k, v in bench.codes.items() if v not in (0, None)}
     out["seconds"] = round(time.monotonic() - t_start, 2)

@@ -117,41 +117,21 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str | None]:
     return cfg, path
 
 
-def sd_notify(message: str) -> bool:
-    """The systemd notify protocol: one datagram to $NOTIFY_SOCKET (no-op when unset)."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return False
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        s.sendall(message.encode())
-    return True
-
-
 def run_agent(agent: AgentBase) -> int:
+    """Run a daemon until SIGTERM/SIGINT, which drain it (a second signal stops it at once)."""
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
+    drains: list[asyncio.Task[None]] = []
 
     def on_signal(signum: int) -> None:
-        log.info("%s: %s received, shutting down", agent.name, signal.Signals(signum).name)
-        sd_notify("STOPPING=1")
-        agent.stop()
+        log.info("%s: %s received, draining (up to %.0fs)", agent.name, signal.Signals(signum).name,
+                 agent.drain_timeout_s)
+        drains.append(loop.create_task(agent.drain()))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-
-    async def main() -> None:
-        task = asyncio.ensure_future(agent.serve())
-        while not agent.started.is_set() and not task.done():
-            await asyncio.sleep(0.01)
-        if not task.done():
-            sd_notify(f"READY=1\nSTATUS={agent.name} running\nMAINPID={os.getpid()}")
-        await task
-
     try:
-        loop.run_until_complete(main())
+        loop.run_until_complete(agent.serve())
     finally:
         loop.close()
     return 0

@@ -72,10 +72,15 @@ class ReceiverConfig:
     heartbeat_misses: int = 5
     bootstrap_timeout_s: float = 120.0
     stall_timeout_s: float = 60.0
+    waiting_timeout_s: float = 600.0  # assigned, but the prefill side never started sending
     same_host: str = "auto"  # read same-host senders' pools directly ("auto") or never ("off")
     max_frame_bytes: int = 64 << 20
     send_hwm: int = 100_000
     recv_hwm: int = 32
+    drain_timeout_s: float = 30.0
+    metrics_bind: str = "127.0.0.1:9464"  # Prometheus endpoint ("" = off; port 0 = any free port)
+    curve_secret_key: str = ""  # this receiver's CURVE key pair (transferd keygen); "" = no encryption
+    curve_allow_dir: str = ""  # public keys of the senders allowed in (required with curve_secret_key)
 
     def expand(self, s: str, run_dir: str) -> str:
         return s.format(name=self.name, run_dir=run_dir)
@@ -102,6 +107,10 @@ class SenderConfig:
     checksum: str = "none"
     same_host: str = "auto"  # offer this pool to a receiver on the same host ("auto") or never ("off")
     shm_message_bytes: int = 16 << 20  # rows per data-ref message on the same-host path
+    drain_timeout_s: float = 30.0
+    metrics_bind: str = "127.0.0.1:9470"  # Prometheus endpoint; the CP rank is added to the port
+    curve_secret_key: str = ""  # this sender's CURVE key pair; "" = no encryption
+    curve_server_key: str = ""  # the receivers' public key (required with curve_secret_key)
 
     def expand(self, s: str, run_dir: str) -> str:
         return s.format(group=self.group, rank=self.cp_rank, run_dir=run_dir)
@@ -200,9 +209,25 @@ class Config:
                 raise ConfigError(f"{what} must be 'auto' or 'off', not {v!r}")
         for what, v in (("receiver.stall_timeout_s", self.receiver.stall_timeout_s),
                         ("receiver.bootstrap_timeout_s", self.receiver.bootstrap_timeout_s),
+                        ("receiver.waiting_timeout_s", self.receiver.waiting_timeout_s),
                         ("sender.assign_timeout_s", s.assign_timeout_s)):
             if v <= 0:
                 raise ConfigError(f"{what} must be > 0, not {v}")
+        r = self.receiver
+        check_endpoint(r.bind, "receiver.bind", bind=True)
+        for i, ep in enumerate(s.receivers):
+            check_endpoint(ep, f"sender.receivers[{i}]", bind=False)
+        for what, v in (("receiver.metrics_bind", r.metrics_bind), ("sender.metrics_bind", s.metrics_bind)):
+            if v:
+                parse_hostport(v, what)
+        if bool(r.curve_secret_key) != bool(r.curve_allow_dir):
+            raise ConfigError("receiver.curve_secret_key and receiver.curve_allow_dir go together "
+                              "(the key pair encrypts, the directory lists the senders allowed in)")
+        if bool(s.curve_secret_key) != bool(s.curve_server_key):
+            raise ConfigError("sender.curve_secret_key and sender.curve_server_key go together")
+        for what, v in (("receiver.drain_timeout_s", r.drain_timeout_s), ("sender.drain_timeout_s", s.drain_timeout_s)):
+            if v < 0:
+                raise ConfigError(f"{what} must be >= 0, not {v}")
         f = self.faults
         if not (0 <= f.drop_frames <= 1 and 0 <= f.corrupt_frames <= 1 and f.slow_receiver_ms >= 0):
             raise ConfigError(f"faults: drop_frames and corrupt_frames must lie in [0, 1] and slow_receiver_ms "
@@ -218,6 +243,31 @@ class Config:
             raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
         self.receiver_layout()
         self.sender_layout()
+
+
+_ENDPOINT_RE = re.compile(r"^(tcp)://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+|\*):(\*|\d+)$")
+
+
+def check_endpoint(ep: str, what: str, *, bind: bool) -> None:
+    """``tcp://host:port`` (port ``*`` only for binding), or ``ipc://path``."""
+    if ep.startswith("ipc://") and len(ep) > 6:
+        return
+    m = _ENDPOINT_RE.match(ep)
+    if not m:
+        raise ConfigError(f"{what}: {ep!r} is not an endpoint like tcp://127.0.0.1:57500 or ipc:///path")
+    port = m.group(3)
+    if port == "*":
+        if not bind:
+            raise ConfigError(f"{what}: {ep!r}: a port of * only makes sense for binding")
+    elif not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{what}: port {port} is out of range (1-65535)")
+
+
+def parse_hostport(value: str, what: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what}: {value!r} must be HOST:PORT with a port in 0-65535 (0 = any free port)")
+    return host.strip("[]"), int(port)
 
 
 _SIZE_KEYS = {"max_message_bytes", "aux_row_bytes", "max_frame_bytes", "shm_message_bytes"}

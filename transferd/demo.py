@@ -131,6 +131,8 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
         "TRANSFERD_SENDER_SPLIT": base.sender.split,
         "TRANSFERD_SENDER_GROUP": base.sender.group,
         "TRANSFERD_SENDER_SAME_HOST": base.sender.same_host,
+        "TRANSFERD_RECEIVER_METRICS_BIND": "127.0.0.1:0",  # never collide with a running service
+        "TRANSFERD_SENDER_METRICS_BIND": "127.0.0.1:0",
     })
     if faults:  # short clocks, so that a fault is detected in about a second
         env.update({

@@ -57,8 +57,10 @@ def _align(x: int) -> int:
 class Pool:
     """A mapped pool. Use :meth:`create` or :meth:`attach`; :meth:`close` unmaps."""
 
-    def __init__(self, name: str, layout: PoolLayout, mm: mmap.mmap, offsets: list[int], owner: bool) -> None:
+    def __init__(self, name: str, layout: PoolLayout, mm: mmap.mmap, offsets: list[int], owner: bool,
+                 pool_id: int = 0) -> None:
         self.name = name
+        self.pool_id = pool_id  # random at creation: tells two pools of the same name apart
         self.layout = layout
         self._mm = mm
         self._owner = owner
@@ -86,7 +88,9 @@ class Pool:
                 pool.close()
                 raise LayoutError(f"pool {name!r} exists with another layout: {diff}")
             return pool
-        desc = msgpack.packb({"layout": layout.to_wire(), "fp": layout.fingerprint()}, use_bin_type=True)
+        pool_id = int.from_bytes(os.urandom(8), "little") >> 1
+        desc = msgpack.packb({"layout": layout.to_wire(), "fp": layout.fingerprint(), "id": pool_id},
+                             use_bin_type=True)
         data_off = _align(_HDR.size + len(desc))
         offsets = []
         off = data_off
@@ -109,7 +113,7 @@ class Pool:
         finally:
             os.close(fd)
             tmp.unlink(missing_ok=True)
-        return cls(name, layout, mm, offsets, owner=True)
+        return cls(name, layout, mm, offsets, owner=True, pool_id=pool_id)
 
     @classmethod
     def attach(cls, name: str) -> Pool:
@@ -118,11 +122,15 @@ class Pool:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise PoolError(f"pool {name!r} does not exist (looked for {path})") from None
+        except OSError as exc:
+            raise PoolError(f"pool {name!r}: cannot open {path}: {exc.strerror or exc}") from None
         try:
             size = os.fstat(fd).st_size
             if size < _HDR.size:
                 raise PoolError(f"pool {name!r}: file of {size} bytes is too small for a header")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise PoolError(f"pool {name!r}: cannot map {path}: {exc.strerror or exc}") from None
         finally:
             os.close(fd)
         try:
@@ -152,7 +160,8 @@ class Pool:
         except Exception as exc:
             mm.close()
             raise PoolError(f"pool {name!r}: unreadable header: {exc!r}") from None
-        return cls(name, layout, mm, offsets, owner=False)
+        pool_id = desc.get("id", 0) if isinstance(desc.get("id", 0), int) else 0
+        return cls(name, layout, mm, offsets, owner=False, pool_id=pool_id)
 
     def close(self) -> None:
         self.rows = []

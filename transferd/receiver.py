@@ -21,10 +21,11 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
+from . import __version__
 from .accounting import Accounting
 from .agent import AgentBase
 from .config import Config
-from .errors import RoomExists, TransferdError, UnknownRoom, VersionMismatch
+from .errors import ConfigError, RoomExists, TransferdError, UnknownRoom, VersionMismatch
 from .layout import KINDS, PoolLayout, layout_difference
 from .pool import Pool, host_boot_id
 from .protocol.checksum import checksum_function
@@ -34,11 +35,12 @@ from .protocol.engine import nonempty_str as _str
 from .protocol.engine import slot_map
 from .protocol.engine import u64 as _u64
 from .protocol.messages import (
-    Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
+    PROTOCOL_VERSION, Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
+    encode,
 )
 from .protocol.policy import SplitMode
 from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance
-from .transport import LocalApiServer, configure, send_nowait
+from .transport import LocalApiServer, configure, is_wildcard, load_keypair, send_nowait, watch_handshakes
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class DecodeRoom:
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     finished: float = 0.0
     last_progress: float = 0.0
+    received: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -111,6 +114,8 @@ class Receiver(AgentBase):
         self._nudged: dict[bytes, float] = {}
         self._row_bytes = [b.row_bytes for b in self.layout.buffers]
         self._kind_of = [b.kind for b in self.layout.buffers]
+        self.metrics_bind = self.rcfg.metrics_bind
+        self.drain_timeout_s = self.rcfg.drain_timeout_s
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
@@ -128,6 +133,7 @@ class Receiver(AgentBase):
                 self.layout = self.pool.layout
         self.router = self.ctx.socket(zmq.ROUTER)
         configure(self.router)
+        self._setup_curve()
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, self.rcfg.max_frame_bytes)  # bigger: peer disconnected
         self.router.setsockopt(zmq.SNDHWM, self.rcfg.send_hwm)
@@ -143,18 +149,51 @@ class Receiver(AgentBase):
         self.spawn(self._recv_loop(), "recv")
         self.spawn(self.api.run(), "engine-api")
         self.spawn(self._tick_loop(), "tick")
+        assert self.ready is not None
+        self.ready.set()
         log.info("%s: data on %s, engine API on %s, pool %s (%s)", self.name, self.data_endpoint,
                  self.engine_endpoint, self.pool.name, self.layout.fingerprint())
 
+    def _setup_curve(self) -> None:
+        """CURVE encryption and an allow-list of sender keys (pyzmq's zmq.auth), when configured."""
+        r = self.rcfg
+        if not r.curve_secret_key:
+            if is_wildcard(r.bind):
+                log.warning("%s: *** binding %s on every interface WITHOUT encryption or authentication: "
+                            "any host that can reach this port can register and write into the decode pool. "
+                            "Set receiver.curve_secret_key and receiver.curve_allow_dir (transferd keygen). ***",
+                            self.name, r.bind)
+            return
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        public, secret = load_keypair(r.curve_secret_key, "receiver.curve_secret_key")
+        if not os.path.isdir(r.curve_allow_dir):
+            raise ConfigError(f"receiver.curve_allow_dir {r.curve_allow_dir!r} is not a directory")
+        assert self.ctx is not None
+        self.auth = AsyncioAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=r.curve_allow_dir)
+        self.router.curve_secretkey = secret
+        self.router.curve_publickey = public
+        self.router.curve_server = True
+        self.spawn(watch_handshakes(self.router, self._handshake_failed), "handshakes")
+        log.info("%s: CURVE on; senders allowed from the public keys in %s", self.name, r.curve_allow_dir)
+
+    def _handshake_failed(self, kind: str, what: str) -> None:
+        self._refuse(kind, f"a sender was refused at the security handshake: {what}")
+
     async def _close(self) -> None:
         for room in list(self.rooms.values()):
-            self._finish(room, RoomStatus(RoomState.FAILED, "shutdown", f"receiver {self.rcfg.name} shut down"))
+            self._finish(room, RoomStatus(RoomState.FAILED, "shutdown", f"shutting down: receiver {self.rcfg.name} "
+                                                                        "stopped before the room ended"))
         for peer in self.peers.values():
             peer.close()
         if hasattr(self, "api"):
             self.api.close()
         if hasattr(self, "router"):
             self.router.close(linger=0)
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()
         if self.pool is not None:
             if self._own_pool:
                 self.pool.unlink()
@@ -176,13 +215,14 @@ class Receiver(AgentBase):
         n = 0
         while True:
             frames = await sock.recv_multipart(copy=False)
+            frames_before = self.acct.frames
             try:
                 self._on_frames(frames)
             except Exception:  # a bug must not take the receiver down with every room
                 log.exception("%s: error while handling a message", self.name)
                 self.acct.refused["internal_error"] += 1
             n += 1
-            if slow and len(frames) == 3:
+            if slow and self.acct.frames != frames_before:
                 await asyncio.sleep(slow)  # fault injection: a slow decode side
             elif n % 64 == 0:
                 await asyncio.sleep(0)  # a ready socket never yields by itself: let timers and the engine API run
@@ -278,6 +318,11 @@ class Receiver(AgentBase):
         if diff:
             refuse(f"incompatible layout: {diff}", "layout")
             return
+        biggest = max(msg.max_message_bytes, max(b.row_bytes for b in theirs.buffers))
+        if biggest > self.rcfg.max_frame_bytes:
+            refuse(f"messages of up to {biggest} bytes exceed this receiver's max_frame_bytes "
+                   f"{self.rcfg.max_frame_bytes}", "frame_limit")
+            return
         group = self.groups.get(msg.group)
         if group is not None and (group.cp_size != msg.cp_size or group.split is not split):
             refuse(f"group {msg.group} is registered with cp_size {group.cp_size} split {group.split.value}; "
@@ -330,7 +375,9 @@ class Receiver(AgentBase):
             log.info("%s: %s rank %d offers pool %r, not reachable here (%s): data over the socket",
                      self.name, msg.group, msg.rank, msg.pool, exc)
             return None
-        if layout_difference(pool.layout, self.layout) is not None:
+        if pool.pool_id != msg.pool_id or layout_difference(pool.layout, self.layout) is not None:
+            log.info("%s: %s rank %d offers pool %r, but the pool found here under that name is another one: "
+                     "data over the socket", self.name, msg.group, msg.rank, msg.pool)
             pool.close()
             return None
         return pool
@@ -396,6 +443,7 @@ class Receiver(AgentBase):
         else:
             self.pool.rows[msg.buffer][rows] = src
         self.acct.add(self._kind_of[msg.buffer], len(payload))
+        room.received += len(payload)
         if isinstance(msg, DataRef):
             self.acct.shm_bytes += len(payload)
         room.last_progress = time.monotonic()
@@ -452,6 +500,7 @@ class Receiver(AgentBase):
         room.status = new
         room.finished = time.monotonic()
         self.acct.rooms[new.state.value] += 1
+        self.metrics.observe(new.state.value, room.finished - room.created)
         if new.state is RoomState.FAILED:
             self.acct.failures[new.code] += 1
             log.warning("%s: room %s/%d failed (%s): %s", self.name, room.req.group, room.req.room, new.code, new.reason)
@@ -494,6 +543,10 @@ class Receiver(AgentBase):
                         self._finish(room, RoomStatus(RoomState.FAILED, "bootstrap_timeout",
                                                       f"prefill group {room.req.group} did not register all ranks "
                                                       f"within {self.rcfg.bootstrap_timeout_s:g}s (assigned: {have})"))
+                elif st is RoomState.WAITING and now - room.last_progress > self.rcfg.waiting_timeout_s:
+                    self._finish(room, RoomStatus(RoomState.FAILED, "waiting_timeout",
+                                                  f"prefill group {room.req.group} sent nothing for the room within "
+                                                  f"{self.rcfg.waiting_timeout_s:g}s of its assignment"))
                 elif st is RoomState.TRANSFERRING and now - room.last_progress > self.rcfg.stall_timeout_s:
                     waiting = [r for r in range(room.tracker.cp_size) if r not in room.tracker.done]
                     self._finish(room, RoomStatus(RoomState.FAILED, "stalled",
@@ -502,6 +555,7 @@ class Receiver(AgentBase):
 
     def _peer_lost(self, peer: Peer, reason: str) -> None:
         log.warning("%s: %s", self.name, reason)
+        self.acct.heartbeat_misses[f"{peer.group}/r{peer.rank}"] += 1
         self.peers.pop(peer.ident, None)
         peer.close()
         group = self.groups.get(peer.group)
@@ -518,6 +572,7 @@ class Receiver(AgentBase):
 
     # -- engine API (runs on the loop) ---------------------------------------------------
     def expect(self, req: RoomRequest) -> RoomStatus:
+        self.refuse_if_draining()
         req.validate(self.layout)
         old = self.rooms.get((req.group, req.room))
         if old is not None:
@@ -589,10 +644,38 @@ class Receiver(AgentBase):
         return self.release(room.req.group, room.req.room).to_wire()
 
     # -- introspection -------------------------------------------------------------------
+    def live_rooms(self) -> int:
+        return sum(1 for r in list(self.rooms.values()) if not r.status.state.terminal)
+
+    def status_line(self) -> str:
+        groups = ", ".join(f"{g.name} {len(g.ranks)}/{g.cp_size}" for g in list(self.groups.values())) or "no groups"
+        return (f"receiver {self.rcfg.name}: {self.live_rooms()} rooms in flight; {groups}; "
+                f"{sum(self.acct.bytes.values()) / 1e9:.3f} GB received")
+
+    def metric_snapshot(self) -> dict[str, Any]:
+        rooms = list(self.rooms.values())
+        live: dict[str, int] = {}
+        in_flight = 0
+        for r in rooms:
+            st = r.status.state
+            if st.terminal:
+                continue
+            live[st.value] = live.get(st.value, 0) + 1
+            if st is RoomState.TRANSFERRING and r.tracker is not None:
+                in_flight += max(0, sum(r.tracker.expected_bytes.values()) - r.received)
+        out = self.acct.snapshot()
+        out.update(role="receiver", live=live, in_flight=in_flight,
+                   registered={g.name: len(g.ranks) for g in list(self.groups.values())},
+                   info={"role": "receiver", "name": self.rcfg.name, "version": __version__,
+                         "protocol": str(PROTOCOL_VERSION)})
+        return out
+
     def stats(self) -> dict[str, Any]:
         out = self.acct.snapshot()
         out.update(role="receiver", name=self.rcfg.name, pid=os.getpid(), incarnation=self.incarnation,
-                   data_endpoint=self.data_endpoint, engine_endpoint=self.engine_endpoint)
+                   data_endpoint=self.data_endpoint, engine_endpoint=self.engine_endpoint,
+                   metrics_port=self.metrics.port, uptime_s=round(time.time() - self.t_start, 3),
+                   draining=self.draining)
         return out
 
     def status(self) -> dict[str, Any]:

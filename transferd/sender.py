@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from . import __version__
 from .accounting import Accounting
 from .agent import AgentBase
 from .config import Config
@@ -31,11 +32,12 @@ from .pool import Pool, host_boot_id
 from .protocol.checksum import checksum_function
 from .protocol.engine import ints, slot_map, u64
 from .protocol.messages import (
-    Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header, encode,
+    PROTOCOL_VERSION, Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
+    encode,
 )
 from .protocol.policy import RankPlan, SplitMode, rank_plan
 from .protocol.room import RoomState, RoomStatus, advance
-from .transport import LocalApiServer, configure, send_nowait
+from .transport import LocalApiServer, configure, load_keypair, load_public_key, send_nowait, watch_handshakes
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class SendRoom:
     next_start: int = 0
     last_submitted: bool = False
     sending: bool = False
+    planned: int = 0  # bytes this rank sends for the room (known once assigned)
+    sent: int = 0
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
 
@@ -118,6 +122,9 @@ class SenderAgent(AgentBase):
         self._fault_rng = random.Random(cfg.faults.seed * 1000 + s.cp_rank)
         self.engine_endpoint = ""
         self._kv0 = self.layout.indices("kv")[0] if self.layout.indices("kv") else None
+        self.metrics_bind = s.metrics_bind
+        self.metrics_port_offset = s.cp_rank
+        self.drain_timeout_s = s.drain_timeout_s
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
@@ -134,10 +141,17 @@ class SenderAgent(AgentBase):
                     raise TransferdError(f"pool {name!r} does not match the configuration: {diff}")
                 self.layout = self.pool.layout
         ident = f"{self.group}/{self.rank}/{self.incarnation:016x}".encode()
+        keys = None
+        if self.scfg.curve_secret_key:
+            keys = (*load_keypair(self.scfg.curve_secret_key, "sender.curve_secret_key"),
+                    load_public_key(self.scfg.curve_server_key, "sender.curve_server_key"))
         for ep in self.scfg.receivers:
             sock = self.ctx.socket(zmq.DEALER)
             configure(sock, hwm=self.scfg.send_hwm)
             sock.setsockopt(zmq.IDENTITY, ident)
+            if keys is not None:
+                sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+                self.spawn(watch_handshakes(sock, self._handshake_failed), f"handshakes {ep}")
             sock.connect(ep)
             conn = Conn(ep, sock)
             self.conns.append(conn)
@@ -151,13 +165,24 @@ class SenderAgent(AgentBase):
         self.engine_endpoint = self.api.bound
         self.spawn(self.api.run(), "engine-api")
         self.spawn(self._tick_loop(), "tick")
+        self.spawn(self._ready_when_registered(), "ready")
         log.info("%s: cp %d/%d split %s, receivers %s, engine API on %s, pool %s", self.name, self.rank,
                  self.cp_size, self.split.value, ", ".join(self.scfg.receivers), self.engine_endpoint,
                  self.pool.name)
 
+    async def _ready_when_registered(self, limit_s: float = 10.0) -> None:
+        """Ready once registered with every receiver — or after ``limit_s`` with a receiver
+        missing (a receiver that is down must not keep the prefill side from starting)."""
+        assert self.ready is not None
+        deadline = time.monotonic() + limit_s
+        while any(c.state != "registered" for c in self.conns) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.ready.set()
+
     async def _close(self) -> None:
         for room in list(self.rooms.values()):
-            self._fail(room, "shutdown", f"sender {self.group}/r{self.rank} shut down")
+            self._fail(room, "shutdown", f"shutting down: sender {self.group}/r{self.rank} stopped before the "
+                                         "room ended", reliable=False)
         if hasattr(self, "api"):
             self.api.close()
         for c in self.conns:
@@ -167,13 +192,18 @@ class SenderAgent(AgentBase):
                 self.pool.unlink()
             self.pool.close()
 
+    def _handshake_failed(self, kind: str, what: str) -> None:
+        self.acct.refused[kind] += 1
+        log.error("%s: a receiver refused this sender at the security handshake (%s): check "
+                  "sender.curve_secret_key / curve_server_key and the receiver's allow-list", self.name, what)
+
     def _register(self, conn: Conn) -> None:
         conn.last_register = time.monotonic()
         self._send_ctrl(conn, Register(self.group, self.rank, self.cp_size, self.split.value,
                                        self.layout.fingerprint(), self.layout.to_wire(), self.incarnation,
                                        os.getpid(), socket.gethostname(), conn.epoch, self.scfg.checksum,
                                        host_boot_id(), self.pool.name if self.scfg.same_host == "auto" and self.pool
-                                       else ""))
+                                       else "", self.pool.pool_id if self.pool else 0, self.scfg.max_message_bytes))
 
     def _send_ctrl(self, conn: Conn, msg: Any) -> None:
         """Small control message, never blocking the loop (dropped and counted if the pipe is full)."""
@@ -232,7 +262,7 @@ class SenderAgent(AgentBase):
         elif msg.retry:
             if conn.state == "registered":
                 self._conn_lost(conn, f"receiver {msg.receiver} at {conn.endpoint} no longer knows this sender "
-                                      "(it restarted)")
+                                      "(it restarted, or gave this sender up after a pause or a cut link)")
             conn.state = "registering"
             self._register(conn)
         else:
@@ -267,7 +297,10 @@ class SenderAgent(AgentBase):
             self._fail_assigned(room, conn, msg, "bad_assign", f"assignment names unknown state component {missing[0]!r}")
             return
         room.conn, room.assign = conn, msg
-        room.plan = rank_plan(self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix)
+        room.plan = plan = rank_plan(self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix)
+        room.planned = (plan.kv_positions * sum(self.layout.buffers[b].row_bytes for b in plan.kv_buffers)
+                        + sum(len(msg.state.get(self.layout.buffers[b].component, ())) * self.layout.buffers[b].row_bytes
+                              for b in plan.state_buffers) + (self.layout.aux_row_bytes if plan.aux else 0))
         room.dst = np.asarray(msg.dst_pages, dtype=np.int64)
         room.status = advance(room.status, RoomStatus(RoomState.WAITING))
         if room.last_submitted and room.next_start != msg.n_pages:
@@ -311,6 +344,7 @@ class SenderAgent(AgentBase):
             for conn in self.conns:
                 if conn.state == "registered":
                     if now - conn.last_heard > deadline:
+                        self.acct.heartbeat_misses[conn.receiver or conn.endpoint] += 1
                         self._conn_lost(conn, f"receiver {conn.receiver} at {conn.endpoint} missed heartbeats "
                                               f"for {now - conn.last_heard:.1f}s")
                 elif conn.state == "registering" and now - conn.last_register > interval:
@@ -338,6 +372,7 @@ class SenderAgent(AgentBase):
             return
         room.status = new
         room.chunks.clear()
+        self.metrics.observe(new.state.value, time.monotonic() - room.created)
         if self.rooms.get(room.room) is room:
             del self.rooms[room.room]
             self.ended[room.room] = room
@@ -423,6 +458,7 @@ class SenderAgent(AgentBase):
             nbytes = count * self.layout.buffers[buffer].row_bytes
             self.acct.add(("kv", "state", "aux")[kind], nbytes)
             self.acct.shm_bytes += nbytes
+            room.sent += nbytes
             return
         payload = self.pool.rows[buffer][src_row:src_row + count]
         csum = self.checksum(payload) if self.checksum is not None else None
@@ -439,6 +475,7 @@ class SenderAgent(AgentBase):
         await room.conn.sock.send_multipart(
             [encode(Data(room.assign.tok, kind, buffer, pos, count, csum)), payload], copy=False)
         self.acct.add(("kv", "state", "aux")[kind], payload.nbytes)
+        room.sent += payload.nbytes
 
     async def _send_runs(self, room: SendRoom, kind: int, buffers: tuple[int, ...], src: np.ndarray,
                          dst: np.ndarray, base: int) -> None:
@@ -489,6 +526,8 @@ class SenderAgent(AgentBase):
         chunk also names the state slots and the aux slot. Every index is checked first."""
         assert self.pool is not None
         room = self.rooms.get(room_id)
+        if room is None:
+            self.refuse_if_draining()
         ended = self.ended.get(room_id)
         if room is None and ended is not None:
             raise BadRequest(f"room {room_id} already ended ({ended.status.state.value}: {ended.status.reason})")
@@ -572,10 +611,35 @@ class SenderAgent(AgentBase):
         return self.abort(u64(r["room"], "room"), str(r.get("reason", ""))).to_wire()
 
     # -- introspection -------------------------------------------------------------------
+    def live_rooms(self) -> int:
+        return len(self.rooms)
+
+    def status_line(self) -> str:
+        regs = sum(1 for c in self.conns if c.state == "registered")
+        return (f"sender {self.group}/r{self.rank}: {len(self.rooms)} rooms in flight; registered with "
+                f"{regs}/{len(self.conns)} receivers; {sum(self.acct.bytes.values()) / 1e9:.3f} GB sent")
+
+    def metric_snapshot(self) -> dict[str, Any]:
+        rooms = list(self.rooms.values())
+        live: dict[str, int] = {}
+        in_flight = 0
+        for r in rooms:
+            live[r.status.state.value] = live.get(r.status.state.value, 0) + 1
+            if r.status.state is RoomState.TRANSFERRING:
+                in_flight += max(0, r.planned - r.sent)
+        out = self.acct.snapshot()
+        out.update(role="sender", live=live, in_flight=in_flight,
+                   registered={self.group: sum(1 for c in self.conns if c.state == "registered")},
+                   info={"role": "sender", "group": self.group, "rank": str(self.rank), "cp_size": str(self.cp_size),
+                         "version": __version__, "protocol": str(PROTOCOL_VERSION)})
+        return out
+
     def stats(self) -> dict[str, Any]:
         out = self.acct.snapshot()
         out.update(role="sender", group=self.group, rank=self.rank, cp_size=self.cp_size, split=self.split.value,
-                   pid=os.getpid(), incarnation=self.incarnation, engine_endpoint=self.engine_endpoint)
+                   pid=os.getpid(), incarnation=self.incarnation, engine_endpoint=self.engine_endpoint,
+                   metrics_port=self.metrics.port, uptime_s=round(time.time() - self.t_start, 3),
+                   draining=self.draining)
         return out
 
     def status(self) -> dict[str, Any]:

@@ -70,6 +70,61 @@ def send_nowait(sock: zmq.asyncio.Socket, frames: list[Any], on_drop: Callable[[
         fut.add_done_callback(done)
 
 
+HANDSHAKE_FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",  # the ZAP handler refused the key
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake",  # e.g. a plain peer against a CURVE socket
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake",
+}
+
+
+async def watch_handshakes(sock: zmq.asyncio.Socket, on_fail: Callable[[str, str], None]) -> None:
+    """Report failed ZeroMQ security handshakes on ``sock`` (socket monitor events)."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    try:
+        while True:
+            ev = parse_monitor_message(await mon.recv_multipart())
+            kind = HANDSHAKE_FAILURES.get(ev["event"], "handshake")
+            on_fail(kind, f"{kind} failure on {ev['endpoint'].decode(errors='replace')} (code {ev['value']})")
+    finally:
+        sock.disable_monitor()
+        mon.close(linger=0)
+
+
+def load_keypair(path: str, what: str) -> tuple[bytes, bytes]:
+    """A CURVE key pair written by ``transferd keygen`` (``NAME.key_secret``)."""
+    import zmq.auth
+
+    from .errors import ConfigError
+
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what}: cannot read CURVE key file {path}: {exc}") from None
+    if not secret:
+        raise ConfigError(f"{what}: {path} holds no secret key (use the .key_secret file from transferd keygen)")
+    return public, secret
+
+
+def load_public_key(path: str, what: str) -> bytes:
+    import zmq.auth
+
+    from .errors import ConfigError
+
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what}: cannot read CURVE public key {path}: {exc}") from None
+    return public
+
+
+def is_wildcard(endpoint: str) -> bool:
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+    return host in ("*", "0.0.0.0", "[::]", "::")
+
+
 Handler = Callable[[dict[str, Any]], Any]
 
 

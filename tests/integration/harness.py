@@ -98,7 +98,8 @@ class Cluster:
     def receiver(self, name: str = "decode0", *, kv_pages: int = 256, model: dict[str, Any] | None = None,
                  faults: dict[str, Any] | None = None, **extra: Any) -> tuple[str, DecodeClient, Pool]:
         data: dict[str, Any] = {"receiver": {"name": name, "bind": "tcp://127.0.0.1:*", "pool": f"{self.tag}-{name}",
-                                             "kv_pages": kv_pages, "state_slots": 32, "aux_slots": 32, **extra}}
+                                             "kv_pages": kv_pages, "state_slots": 32, "aux_slots": 32,
+                                             "metrics_bind": "127.0.0.1:0", **extra}}
         if model:
             data["model"] = model
         if faults:
@@ -121,7 +122,8 @@ class Cluster:
             data: dict[str, Any] = {"sender": {
                 "group": group, "cp_size": cp_size, "cp_rank": rank, "split": split, "receivers": receivers,
                 "pool": f"{self.tag}-{group}-r{{rank}}", "kv_pages": kv_pages, "state_slots": 32,
-                "aux_slots": 32, "same_host": "off", **extra}}  # data over the socket unless a test asks
+                "aux_slots": 32, "same_host": "off", "metrics_bind": "127.0.0.1:0",
+                **extra}}  # data over the socket unless a test asks
             if model:
                 data["model"] = model
             if faults:

@@ -72,6 +72,7 @@ def test_launch_starts_a_working_pair_and_stops_cleanly_on_sigterm(tmp_path: Pat
     path.write_text(cfg_text)
     env = _env(tmp_path)
     env["TRANSFERD_RUN_DIR"] = str(tmp_path / "run")
+    env["TRANSFERD_RECEIVER_METRICS_BIND"] = env["TRANSFERD_SENDER_METRICS_BIND"] = "127.0.0.1:0"
     cfg = load(path, env=env)
     proc = subprocess.Popen([sys.executable, "-m", "transferd", "launch", "--config", str(path), "--cp-size", "2"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -24,8 +24,8 @@ def test_agents_in_process(tmp_path: Path) -> None:
     tag = f"ip{uuid.uuid4().hex[:8]}"
     cfg = from_mapping({
         "run_dir": str(tmp_path), "model": MODEL,
-        "receiver": {"bind": "tcp://127.0.0.1:*", "pool": f"{tag}-rx", "kv_pages": 64},
-        "sender": {"cp_size": 2, "pool": f"{tag}-{{group}}-r{{rank}}", "kv_pages": 64},
+        "receiver": {"bind": "tcp://127.0.0.1:*", "pool": f"{tag}-rx", "kv_pages": 64, "metrics_bind": ""},
+        "sender": {"cp_size": 2, "pool": f"{tag}-{{group}}-r{{rank}}", "kv_pages": 64, "metrics_bind": ""},
     }, "test", env={})
     rx = AgentThread(Receiver(cfg)).start()
     senders = []

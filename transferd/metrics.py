@@ -1,0 +1,123 @@
+"""The Prometheus endpoint of a daemon (prometheus_client, one registry per agent).
+
+Counters are read from the agent's :class:`~transferd.accounting.Accounting` at scrape time (a
+custom collector), so the data path never touches prometheus_client; only the room-duration
+histogram is observed directly, once per room.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from .config import parse_hostport
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .agent import AgentBase
+
+log = logging.getLogger(__name__)
+
+DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _AgentCollector(Collector):
+    def __init__(self, agent: AgentBase) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Any]:
+        a = self.agent
+        snap = a.metric_snapshot()  # a consistent copy made under the GIL
+        role = snap["role"]
+        direction = "sent" if role == "sender" else "received"
+        info = InfoMetricFamily("transferd", "transferd daemon identity")
+        info.add_metric([], {k: str(v) for k, v in snap["info"].items()})
+        yield info
+        c = CounterMetricFamily("transferd_bytes", "Payload bytes moved, by kind and direction",
+                                labels=["direction", "kind"])
+        for kind, n in snap["bytes"].items():
+            c.add_metric([direction, kind], n)
+        yield c
+        c = CounterMetricFamily("transferd_same_host_bytes", "Part of transferd_bytes moved by the same-host path",
+                                labels=["direction"])
+        c.add_metric([direction], snap["shm_bytes"])
+        yield c
+        c = CounterMetricFamily("transferd_frames", "Data messages moved", labels=["direction"])
+        c.add_metric([direction], snap["frames"])
+        yield c
+        c = CounterMetricFamily("transferd_state_bytes_skipped",
+                                "Replicated state bytes not sent thanks to the CP de-dup (senders)")
+        c.add_metric([], snap["state_bytes_skipped"])
+        yield c
+        c = CounterMetricFamily("transferd_rooms", "Rooms ended, by outcome and reason code",
+                                labels=["outcome", "reason"])
+        ok = snap["rooms"].get("success", 0)
+        c.add_metric(["success", ""], ok)
+        for reason, n in snap["failures"].items():
+            c.add_metric(["failed", reason], n)
+        yield c
+        c = CounterMetricFamily("transferd_refused_messages", "Messages or requests refused, by reason",
+                                labels=["reason"])
+        for reason, n in snap["refused"].items():
+            c.add_metric([reason], n)
+        yield c
+        c = CounterMetricFamily("transferd_dropped_messages", "Messages dropped (late frames after a room "
+                                "ended, full pipes, injected faults), by reason", labels=["reason"])
+        for reason, n in snap["dropped"].items():
+            c.add_metric([reason], n)
+        yield c
+        c = CounterMetricFamily("transferd_heartbeat_misses", "Peers given up after missing their heartbeats",
+                                labels=["peer"])
+        for peer, n in snap["heartbeat_misses"].items():
+            c.add_metric([peer], n)
+        yield c
+        g = GaugeMetricFamily("transferd_rooms_live", "Rooms not yet ended, by state", labels=["state"])
+        for state, n in snap["live"].items():
+            g.add_metric([state], n)
+        yield g
+        g = GaugeMetricFamily("transferd_bytes_in_flight", "Bytes of started rooms not yet moved")
+        g.add_metric([], snap["in_flight"])
+        yield g
+        g = GaugeMetricFamily("transferd_registered_ranks", "Registered CP ranks (receiver: per group; "
+                              "sender: receivers registered with)", labels=["group"])
+        for group, n in snap["registered"].items():
+            g.add_metric([group], n)
+        yield g
+
+
+class AgentMetrics:
+    """The registry, the room-duration histogram, and the HTTP endpoint of one agent."""
+
+    def __init__(self, agent: AgentBase) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)  # collect() only at scrape time
+        self.registry.register(_AgentCollector(agent))
+        self.room_seconds = Histogram("transferd_room_duration_seconds",
+                                      "Room duration (receiver: expect → end; sender: first chunk → end)",
+                                      labelnames=["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
+        self.server: Any = None
+        self.port = 0
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        self.room_seconds.labels(outcome).observe(seconds)
+
+    def serve(self, bind: str, port_offset: int = 0) -> None:
+        host, port = parse_hostport(bind, "metrics_bind")
+        if port:
+            port += port_offset
+        try:
+            self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"metrics endpoint {host}:{port}: {exc.strerror or exc}") from None
+        self.port = self.server.server_port
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("metrics endpoint listens on %s:%d (not loopback)", host, self.port)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
