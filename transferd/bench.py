@@ -41,8 +41,8 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import msgpack
@@ -70,6 +70,10 @@ BULK_LAYERS = 4
 POISON = 0xA5
 # the same-host path (sender.same_host / receiver.same_host = "auto" | "off") where this transferd has it
 HAS_SAME_HOST = "same_host" in SenderConfig.__dataclass_fields__ and "same_host" in ReceiverConfig.__dataclass_fields__
+# settings of newer daemons that must not collide across the bench's ~30 processes (fixed ports)
+_OFF_IF_PRESENT = {f"TRANSFERD_{section.upper()}_{key.upper()}": ""
+                   for section, cls in (("receiver", ReceiverConfig), ("sender", SenderConfig))
+                   for key in ("metrics_bind",) if key in cls.__dataclass_fields__}
 TARGETS = {"tcp_vs_raw_zmq": 0.9, "same_host_vs_memcpy": 0.8, "small_cp1_p50_ms": 1.0,
            "small_cp1_rooms_per_s": 2000.0, "vs_mooncake_tcp": 2.0}
 
@@ -306,6 +310,7 @@ class _Bench:
             "TRANSFERD_SENDER_KV_PAGES": str(tx[0]),
             "TRANSFERD_SENDER_STATE_SLOTS": str(tx[1]),
             "TRANSFERD_SENDER_AUX_SLOTS": str(tx[2]),
+            **_OFF_IF_PRESENT,
         }
 
     def _cluster(self, name: str, cfg_path: Path, rx: tuple[int, int, int], tx: tuple[int, int, int]) -> _Cluster:
@@ -419,7 +424,7 @@ class _Bench:
             c.dpool = Pool.attach(c.cfg.receiver_pool_name())
             for rows in c.dpool.rows:  # touch the destination once, like a warm engine's pool
                 rows[:] = 0
-            for gi, g in enumerate(c.groups.values()):
+            for g in c.groups.values():
                 g.pools = [Pool.attach(g.cfg.sender_pool_name(r)) for r in range(g.cp)]
         self._prepare_bulk()
         self._prepare_ds()
@@ -1055,19 +1060,23 @@ class _Mooncake:
             [sys.executable, "-c", "import sys; from transferd.bench import mooncake_target_main as m; "
              "sys.exit(m(sys.argv[1:]))", pool.name], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, start_new_session=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise TransferdError("the mooncake target process exited before it was ready")
-        info = json.loads(line)
-        self.target, self.dst = f"127.0.0.1:{info['port']}", int(info["addr"])
-        self.te = TransferEngine()
-        if self.te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise TransferdError("TransferEngine.initialize failed")
-        src = pool.rows[0]
-        self.src, self.ring = int(src.ctypes.data), src.nbytes
-        if self.te.register_memory(self.src, self.ring) != 0:
-            raise TransferdError("TransferEngine.register_memory failed")
+        try:
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            if not line:
+                raise TransferdError("the mooncake target process exited before it was ready")
+            info = json.loads(line)
+            self.target, self.dst = f"127.0.0.1:{info['port']}", int(info["addr"])
+            self.te = TransferEngine()
+            if self.te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+                raise TransferdError("TransferEngine.initialize failed")
+            src = pool.rows[0]
+            self.src, self.ring = int(src.ctypes.data), src.nbytes
+            if self.te.register_memory(self.src, self.ring) != 0:
+                raise TransferdError("TransferEngine.register_memory failed")
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, size: int, total: int) -> float:
         n = total // size

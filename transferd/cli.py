@@ -1,4 +1,5 @@
-"""``transferd`` command line: ``receiver``, ``sender``, ``launch``, ``demo``."""
+"""``transferd`` command line: ``receiver``, ``sender``, ``launch``, ``demo``, ``bench``, ``status``,
+``config check``, ``keygen``."""
 
 from __future__ import annotations
 
@@ -79,6 +80,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", action="append", metavar="SPEC",
                    help="inject a fault while rooms run (repeatable): kill-sender:R, restart-receiver, "
                         "pause-sender:R, drop-frames:P, corrupt-frames:P, slow-receiver:MS")
+
+    p = sub.add_parser("status", help="ask a running daemon how it is doing (exit 1 if it does not answer)")
+    _common(p)
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--sender", type=int, metavar="RANK", help="ask the sender agent of this CP rank")
+    who.add_argument("--receiver", action="store_true", help="ask the receiver (the default)")
+    p.add_argument("--endpoint", help="engine socket to ask instead of the configured one")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS", help="refresh every N seconds")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_cmd", required=True)
+    c = csub.add_parser("check", help="validate files and print the resolved configuration")
+    c.add_argument("files", nargs="+")
+    c.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key, NAME.key_secret)")
+    p.add_argument("directory")
+    p.add_argument("--name", default=None, help="key name (default: the host name)")
 
     p = sub.add_parser("bench", help="measure the host's limits and transferd side by side")
     _common(p)
@@ -172,6 +193,14 @@ def cmd_launch(cfg: Config, path: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "config":
+        from .ops import config_check
+
+        return config_check(args.files, args.json)
+    if args.cmd == "keygen":
+        from .ops import keygen
+
+        return keygen(args.directory, args.name or socket.gethostname().split(".")[0])
     try:
         cfg, path = resolve_config(args)
     except TransferdError as exc:
@@ -189,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_agent(SenderAgent(cfg))
         if args.cmd == "launch":
             return cmd_launch(cfg, path)
+        if args.cmd == "status":
+            from .ops import status
+
+            return status(cfg, args.sender, args.endpoint, args.json, args.watch, args.timeout)
         if args.cmd == "demo":
             from .demo import run_demo
 

@@ -334,6 +334,11 @@ class Receiver(AgentBase):
         old_ident = group.ranks.get(msg.rank)
         now = time.monotonic()
         known = self.peers.get(ident)
+        if known is not None and (known.group, known.rank) != (msg.group, msg.rank):
+            # the same identity now claims another place: it has left its old one
+            self._peer_lost(known, f"prefill {known.group} rank {known.rank} registered again as {msg.group} "
+                                   f"rank {msg.rank}", heartbeat=False)
+            known = None
         if known is not None:
             known.close()
         if known is not None and msg.epoch > known.epoch:
@@ -553,9 +558,10 @@ class Receiver(AgentBase):
                                                   f"no data for {now - room.last_progress:.1f}s; ranks not done: "
                                                   f"{waiting}"))
 
-    def _peer_lost(self, peer: Peer, reason: str) -> None:
+    def _peer_lost(self, peer: Peer, reason: str, *, heartbeat: bool = True) -> None:
         log.warning("%s: %s", self.name, reason)
-        self.acct.heartbeat_misses[f"{peer.group}/r{peer.rank}"] += 1
+        if heartbeat:
+            self.acct.heartbeat_misses[f"{peer.group}/r{peer.rank}"] += 1
         self.peers.pop(peer.ident, None)
         peer.close()
         group = self.groups.get(peer.group)

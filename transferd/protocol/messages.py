@@ -20,6 +20,7 @@ from ..errors import DecodeError, VersionMismatch
 #   1 — first version: register/registered, assign, data, data-ref, done, fail, status, ping/pong.
 PROTOCOL_VERSION = 1
 
+MAX_CP_SIZE = 1024
 DATA_TAG = 1
 DATA_REF_TAG = 2
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # an assign for a very long room still fits; more is hostile
@@ -102,7 +103,7 @@ class Register:
     def parse(cls, d: dict[str, Any]) -> Register:
         w = "register"
         return cls(group=_req(d, "group", str, w), rank=_int(d, "rank", w, 0, 1 << 16),
-                   cp_size=_int(d, "cp_size", w, 1, 1 << 16), split=_req(d, "split", str, w),
+                   cp_size=_int(d, "cp_size", w, 1, MAX_CP_SIZE), split=_req(d, "split", str, w),
                    fingerprint=_req(d, "fp", str, w), layout=_req(d, "layout", dict, w),
                    incarnation=_int(d, "inc", w), pid=_int(d, "pid", w, 0, 1 << 32),
                    host=_req(d, "host", str, w), epoch=_int(d, "epoch", w),

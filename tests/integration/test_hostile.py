@@ -1,0 +1,1094 @@
+"""A hostile or broken peer on a real socket against a real receiver process.
+
+A raw ZeroMQ DEALER with its own identity sends what no correct sender would: malformed msgpack,
+headers of the wrong shape, unknown types, wrong versions, bad registrations, and — after
+registering correctly as a fake sender and being assigned a room — data that lies about its
+length, strays outside its plan, repeats itself, or arrives after ``done``. Every case asserts
+the exact refusal code the receiver counts (and one log line for it), the room's outcome, that
+not one byte outside the intended rows of the decode pool changed, and that the receiver keeps
+serving: a normal room from real sender processes succeeds byte-exact afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from transferd.config import from_mapping
+from transferd.layout import PoolLayout, layout_difference
+from transferd.pool import Pool
+import transferd.protocol.messages as messages_mod
+from transferd.protocol.messages import (
+    PROTOCOL_VERSION, Assign, Done, Fail, Ping, Pong, Register, Registered, Status,
+)
+from transferd.protocol.room import RoomState
+
+from .harness import MODEL, Cluster, Proc, fill_random
+from .rooms import expect, make_room, mismatches, submit_all
+
+KV, STATE, AUX = 0, 1, 2
+REAL_GROUP = "real0"
+# rows of the decode pool the real senders' rooms use; fake rooms stay below them
+REAL_DST, REAL_N, REAL_SLOT = 200, 11, 56
+
+# the fake sender's own pool: same model as the receiver, other row counts (allowed to differ)
+FAKE_LAYOUT: PoolLayout = from_mapping(
+    {"model": MODEL, "sender": {"kv_pages": 64, "state_slots": 8, "aux_slots": 8}}, "<fake>", env={}
+).sender_layout()
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def register_header(group: str, rank: int, cp_size: int, layout: PoolLayout = FAKE_LAYOUT, *,
+                    split: str = "pages", checksum: str = "none", inc: int = 0x5EED) -> dict[str, Any]:
+    return Register(group, rank, cp_size, split, layout.fingerprint(), layout.to_wire(), inc, os.getpid(),
+                    "hostile-test", 0, checksum).header()
+
+
+class Fake:
+    """A raw DEALER that speaks (or abuses) the wire protocol by hand; answers pings."""
+
+    _ids = itertools.count()
+
+    def __init__(self, endpoint: str, name: str = "fake") -> None:
+        self.ident = f"hostile-{name}-{os.getpid()}-{next(self._ids)}".encode()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, self.ident)
+        self.sock.setsockopt(zmq.SNDTIMEO, 10_000)
+        self.sock.connect(endpoint)
+        self.inbox: list[dict[str, Any]] = []
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def ctrl(self, header: dict[str, Any]) -> None:
+        self.send(pack(header))
+
+    def data(self, tok: int, kind: int, buffer: int, pos: int, count: int, payload: bytes,
+             checksum: int | None = None) -> None:
+        h = [1, tok, kind, buffer, pos, count] + ([] if checksum is None else [checksum])
+        self.send(pack(h), payload)
+
+    def _recv_one(self, timeout_ms: int) -> bool:
+        if not self.sock.poll(timeout_ms):
+            return False
+        frames = self.sock.recv_multipart()
+        assert len(frames) == 1, f"receiver sent {len(frames)} frames"
+        msg = msgpack.unpackb(frames[0], raw=False)
+        if msg.get("t") == "ping":
+            self.ctrl(Pong(msg["seq"]).header())
+        else:
+            self.inbox.append(msg)
+        return True
+
+    def pump(self) -> None:
+        while self._recv_one(0):
+            pass
+
+    def next(self, t: str, timeout: float = 15.0) -> dict[str, Any]:
+        """The next message of type ``t`` (pings are answered on the way)."""
+        end = time.monotonic() + timeout
+        while True:
+            for i, m in enumerate(self.inbox):
+                if m.get("t") == t:
+                    return self.inbox.pop(i)
+            left = end - time.monotonic()
+            assert left > 0, f"{self.ident!r}: no {t!r} message within {timeout}s (inbox: {self.inbox})"
+            self._recv_one(int(min(left, 0.2) * 1000) + 1)
+
+    def register(self, group: str, rank: int = 0, cp_size: int = 1, **kw: Any) -> dict[str, Any]:
+        self.ctrl(register_header(group, rank, cp_size, **kw))
+        return self.next("registered")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@dataclass
+class Env:
+    cluster: Cluster
+    ep: str
+    dc: Any
+    dpool: Pool
+    pcs: list[Any]
+    spools: list[Pool]
+    proc: Proc
+    ids: Iterator[int] = field(default_factory=lambda: itertools.count(1000))
+    fakes: list[Fake] = field(default_factory=list)
+
+    def fake(self, name: str = "fake") -> Fake:
+        f = Fake(self.ep, name)
+        self.fakes.append(f)
+        return f
+
+    def refused(self) -> dict[str, int]:
+        return dict(self.dc.stats()["refused"])
+
+    def log_lines(self, code: str) -> int:
+        return len(re.findall(rf"refused \({re.escape(code)}\)", self.proc.log.read_text(errors="replace")))
+
+    def until(self, fn: Callable[[], Any], what: str) -> Any:
+        def step() -> Any:
+            for f in self.fakes:
+                f.pump()  # answer the receiver's pings while waiting
+            return fn()
+        return self.cluster.until(step, what, self.proc)
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    keys = set(after) | set(before)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}
+
+
+def assert_serves(env: Env) -> None:
+    """The receiver is alive and a normal room from the real senders succeeds byte-exact."""
+    assert env.proc.proc.poll() is None, f"receiver died:\n{env.cluster.logs()}"
+    rid = next(env.ids)
+    r = make_room(rid, REAL_GROUP, REAL_N, 2, chunks=[(0, 5), (5, REAL_N)], dst_start=REAL_DST, slot=REAL_SLOT,
+                  spools=env.spools)
+    before = [rows.copy() for rows in env.dpool.rows]
+    expect(env.dc, r)
+    submit_all(env.pcs, r)
+    st = env.dc.wait(rid, REAL_GROUP, 20)
+    assert st.state is RoomState.SUCCESS, (st, env.cluster.logs())
+    assert [pc.wait(rid, 20).state for pc in env.pcs] == [RoomState.SUCCESS] * 2
+    assert mismatches(r, env.dpool, env.spools, "pages", before) == 0
+    env.dc.release(rid, REAL_GROUP)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    c = Cluster(Path(tmp_path_factory.mktemp("hostile")))
+    fakes: list[Fake] = []
+    try:
+        ep, dc, dpool = c.receiver(kv_pages=256, state_slots=64, aux_slots=64)
+        assert layout_difference(FAKE_LAYOUT, dpool.layout) is None
+        pcs, spools = c.group(REAL_GROUP, 2, [ep], state_slots=64, aux_slots=64)
+        for i, p in enumerate(spools):
+            fill_random(p, 10 + i)
+        e = Env(c, ep, dc, dpool, pcs, spools, c.procs[0])
+        e.fakes = fakes
+        yield e
+    finally:
+        for f in fakes:
+            f.close()
+        codes = c.close()
+    bad = {k: v for k, v in codes.items() if v != 0}
+    assert not bad, f"daemons did not exit cleanly on SIGTERM: {bad}\n{c.logs()}"
+
+
+@pytest.fixture
+def guard(env: Env) -> Iterator[Env]:
+    """Per test: a randomised decode pool; afterwards the receiver still serves."""
+    fill_random(env.dpool, next(env.ids))
+    yield env
+    for f in env.fakes:
+        f.close()
+    env.fakes.clear()
+    assert_serves(env)
+
+
+def assert_refused_once(env: Env, before: dict[str, int], logs_before: int, code: str) -> None:
+    env.until(lambda: env.refused().get(code, 0) > before.get(code, 0), f"refusal {code!r} to be counted")
+    assert delta(env.refused(), before) == {code: 1}
+    env.until(lambda: env.log_lines(code) == logs_before + 1, f"one log line for {code!r}")
+
+
+# -- garbage from an identity that never registered -------------------------------------------
+
+ROW = 512  # row_bytes of a KV buffer of the harness model (page 4 × 64 elems × bf16)
+
+GARBAGE: list[tuple[str, list[bytes], str]] = [
+    ("never-used-byte", [b"\xc1"], "decode"),
+    ("empty-frame", [b""], "decode"),
+    ("truncated-array", [b"\x96\x01\x05"], "decode"),
+    ("truncated-str", [b"\xa9abc"], "decode"),
+    ("trailing-bytes", [pack({"t": "ping", "v": 1, "seq": 1}) + b"\x00"], "decode"),
+    ("int-header", [pack(42)], "decode"),
+    ("str-header", [pack("register")], "decode"),
+    ("nil-header", [pack(None)], "decode"),
+    ("bin-header", [pack(b"\x01\x02")], "decode"),
+    ("float-header", [pack(1.5)], "decode"),
+    ("unknown-type", [pack({"t": "explode", "v": 1})], "decode"),
+    ("type-not-str", [pack({"t": 7, "v": 1})], "decode"),
+    ("type-missing", [pack({"v": 1, "seq": 1})], "decode"),
+    ("type-bin", [pack({"t": b"ping", "v": 1, "seq": 1})], "decode"),
+    ("ping-wrong-version", [pack({"t": "ping", "v": 2, "seq": 1})], "version"),
+    ("ping-version-str", [pack({"t": "ping", "v": "1", "seq": 1})], "version"),
+    ("ping-seq-str", [pack({"t": "ping", "v": 1, "seq": "1"})], "decode"),
+    ("ping-seq-bool", [pack({"t": "ping", "v": 1, "seq": True})], "decode"),
+    ("ping-seq-negative", [pack({"t": "ping", "v": 1, "seq": -1})], "decode"),
+    ("done-bytes-short", [pack({"t": "done", "v": 1, "tok": 1, "rank": 0, "bytes": [1, 2]})], "decode"),
+    ("data-short", [pack([1, 2, 3]), b"x"], "decode"),
+    ("data-long", [pack([1, 1, 0, 0, 0, 1, 0, 9]), b"x"], "decode"),
+    ("data-wrong-tag", [pack([3, 1, 0, 0, 0, 1]), b"x"], "decode"),
+    ("data-ref-short", [pack([2, 1, 0, 0, 0, 1])], "decode"),
+    ("data-kind-3", [pack([1, 1, 3, 0, 0, 1]), b"x"], "decode"),
+    ("data-count-0", [pack([1, 1, 0, 0, 0, 0]), b""], "decode"),
+    ("data-bool", [pack([1, True, 0, 0, 0, 1]), b"x"], "decode"),
+    ("data-negative-pos", [pack([1, 1, 0, 0, -1, 1]), b"x"], "decode"),
+    ("data-float", [pack([1, 1, 0, 0, 0.0, 1]), b"x"], "decode"),
+    ("data-min-int64-tok", [pack([1, -(1 << 63), 0, 0, 0, 1]), b"x"], "decode"),
+    ("data-buffer-2^20", [pack([1, 1, 0, 1 << 20, 0, 1]), b"x"], "decode"),
+    ("data-no-payload", [pack([1, 1, 0, 0, 0, 1])], "malformed"),
+    ("data-two-payloads", [pack([1, 1, 0, 0, 0, 1]), b"a" * ROW, b"b"], "malformed"),
+    ("ping-extra-frame", [pack(Ping(1).header()), b"extra"], "malformed"),
+    ("data-unregistered", [pack([1, 1, 0, 0, 0, 1]), b"\0" * ROW], "unregistered"),
+    ("ping-unregistered", [pack(Ping(1).header())], "unregistered"),
+    ("done-unregistered", [pack(Done(1, 0, 0, 0, 0).header())], "unregistered"),
+    ("fail-unregistered", [pack(Fail(1, "x", "y").header())], "unregistered"),
+]
+
+
+@pytest.mark.parametrize(("frames", "code"), [g[1:] for g in GARBAGE], ids=[g[0] for g in GARBAGE])
+def test_garbage_from_an_unknown_peer_is_counted_and_writes_nothing(guard: Env, frames: list[bytes],
+                                                                      code: str) -> None:
+    env = guard
+    snap = [rows.copy() for rows in env.dpool.rows]
+    before, logs = env.refused(), env.log_lines(code)
+    f = env.fake("garbage")
+    f.send(*frames)
+    assert_refused_once(env, before, logs, code)
+    for b, rows in enumerate(env.dpool.rows):
+        assert np.array_equal(rows, snap[b]), f"buffer {b} changed"
+    # a decode error gets no answer; a wrong-version *register* does (below). Ordering on one
+    # connection makes this check exact: the first reply must be to the register sent now.
+    f.ctrl(register_header("garbage-probe", 0, 1) | {"v": 99})
+    reply = f.next("registered")
+    if code == "unregistered":
+        # a stranger may be told to register first (rate limited); nothing else answers garbage
+        while reply["retry"]:
+            assert reply["ok"] is False and "register first" in reply["reason"], reply
+            reply = f.next("registered")
+    assert reply["ok"] is False and reply["retry"] is False and "protocol version 99" in reply["reason"], reply
+
+
+# -- registration -------------------------------------------------------------------------
+
+def _other_layout(**model: Any) -> PoolLayout:
+    return from_mapping({"model": dict(MODEL, **model)}, "<other>", env={}).sender_layout()
+
+
+REGISTRATIONS: list[tuple[str, Callable[[str], dict[str, Any]], str, list[str]]] = [
+    ("wrong-version", lambda g: register_header(g, 0, 1) | {"v": 2}, "version",
+     ["protocol version 2", f"speaks {PROTOCOL_VERSION}"]),
+    ("no-version", lambda g: {k: v for k, v in register_header(g, 0, 1).items() if k != "v"}, "version",
+     ["protocol version None"]),
+    ("row-bytes", lambda g: register_header(g, 0, 1, _other_layout(kv_token_elems=32)), "layout",
+     ["incompatible layout", "row_bytes", "kv.k.L0", "256", "512"]),
+    ("page-size", lambda g: register_header(g, 0, 1, _other_layout(page_size=8)), "layout",
+     ["incompatible layout", "page_size differs", "8", "4"]),
+    ("buffer-count", lambda g: register_header(g, 0, 1, _other_layout(kv_layers=2)), "layout",
+     ["incompatible layout", "buffer count differs"]),
+    ("state-dtype", lambda g: register_header(g, 0, 1, _other_layout(
+        state=[{"name": "conv", "layers": 3, "slot_shape": [2, 128]},
+               {"name": "ssm", "layers": 3, "slot_shape": [128], "dtype": "bf16"}])), "layout",
+     ["incompatible layout", "state.ssm.L0", "dtype"]),
+    ("fingerprint", lambda g: register_header(g, 0, 1) | {"fp": "0123456789abcdef"}, "layout",
+     ["fingerprint does not match"]),
+    ("unreadable-layout", lambda g: register_header(g, 0, 1) | {"layout": {"v": 1, "buffers": 5}}, "layout",
+     ["unreadable layout"]),
+    ("layout-two-aux", lambda g: register_header(g, 0, 1) | {"layout": dict(
+        FAKE_LAYOUT.to_wire(), buffers=FAKE_LAYOUT.to_wire()["buffers"] + [FAKE_LAYOUT.to_wire()["buffers"][-1]])},
+     "layout", ["unreadable layout", "exactly one aux buffer"]),
+    ("rank-eq-cp", lambda g: register_header(g, 2, 2), "bad_rank", ["rank 2 is outside cp_size 2"]),
+    ("rank-far", lambda g: register_header(g, 65536, 8), "bad_rank", ["rank 65536 is outside cp_size 8"]),
+    ("split", lambda g: register_header(g, 0, 2, split="diagonal"), "bad_settings", ["split mode", "diagonal"]),
+    ("checksum", lambda g: register_header(g, 0, 1, checksum="md5"), "bad_settings", ["checksum", "md5"]),
+    ("group-name", lambda g: register_header("bad group/" + g, 0, 1), "bad_settings", ["group name"]),
+]
+
+
+@pytest.mark.parametrize(("make", "code", "needles"), [r[1:] for r in REGISTRATIONS],
+                         ids=[r[0] for r in REGISTRATIONS])
+def test_bad_registration_is_refused_with_the_reason(guard: Env, make: Callable[[str], dict[str, Any]], code: str,
+                                                    needles: list[str]) -> None:
+    env = guard
+    group = f"reg-{next(env.ids)}"
+    before, logs = env.refused(), env.log_lines(code)
+    f = env.fake("register")
+    f.ctrl(make(group))
+    reply = f.next("registered")
+    assert reply["ok"] is False and reply["retry"] is False, reply
+    for needle in needles:
+        assert needle in reply["reason"], (needle, reply["reason"])
+    assert_refused_once(env, before, logs, code)
+    assert group not in env.dc.status()["groups"]
+    # refused means unknown: its data is not attributed to anyone
+    b2 = env.refused()
+    f.data(1, KV, 0, 0, 1, b"\0" * ROW)
+    env.until(lambda: env.refused().get("unregistered", 0) > b2.get("unregistered", 0), "data to be refused")
+    assert delta(env.refused(), b2) == {"unregistered": 1}
+
+
+@pytest.mark.parametrize("field_", ["rank", "cp_size", "inc", "layout", "group", "host", "epoch", "checksum", "fp"])
+def test_register_with_a_wrong_field_type_gets_no_answer(guard: Env, field_: str) -> None:
+    env = guard
+    before, logs = env.refused(), env.log_lines("decode")
+    f = env.fake("regtype")
+    f.ctrl(register_header(f"rt-{next(env.ids)}", 0, 1) | {field_: [1.5]})
+    assert_refused_once(env, before, logs, "decode")
+    f.ctrl(register_header("rt-probe", 0, 1) | {"v": 7})
+    reply = f.next("registered")  # the first answer on this connection is to the probe
+    assert "protocol version 7" in reply["reason"], reply
+
+
+def test_inconsistent_cp_size_or_split_inside_one_group_is_refused(guard: Env) -> None:
+    env = guard
+    group = f"incons-{next(env.ids)}"
+    a, b, c = env.fake("r0"), env.fake("r1"), env.fake("r1b")
+    assert a.register(group, 0, 2)["ok"] is True
+    before, logs = env.refused(), env.log_lines("inconsistent_group")
+    reply = b.register(group, 1, 3)
+    assert reply["ok"] is False and "cp_size 2" in reply["reason"] and "cp_size 3" in reply["reason"], reply
+    assert_refused_once(env, before, logs, "inconsistent_group")
+    before = env.refused()
+    reply = c.register(group, 1, 2, split="layers")
+    assert reply["ok"] is False and "split pages" in reply["reason"] and "split layers" in reply["reason"], reply
+    env.until(lambda: delta(env.refused(), before) == {"inconsistent_group": 1}, "second refusal")
+    g = env.dc.status()["groups"][group]
+    assert g["cp_size"] == 2 and g["split"] == "pages" and list(g["ranks"]) == ["0"]
+
+
+# -- a fake sender that registered correctly and was assigned a room ----------------------
+
+@dataclass
+class FakeRoom:
+    """A room of the fake group (cp_size 1) and the bytes the fake sends for it."""
+
+    env: Env
+    fake: Fake
+    group: str
+    room: int
+    tok: int
+    n: int
+    prefix: int
+    dst: list[int]
+    slots: dict[str, list[int]]
+    aux: int
+    src: dict[int, np.ndarray]
+    want: list[np.ndarray]  # what the decode pool must hold: the snapshot plus accepted rows
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.env.dpool.layout
+
+    def rows(self, buffer: int, pos: int, count: int) -> bytes:
+        return self.src[buffer][pos:pos + count].tobytes()
+
+    def kv(self, buffer: int, pos: int, count: int, *, accepted: bool = True, **kw: Any) -> None:
+        self.fake.data(self.tok, KV, buffer, pos, count, self.rows(buffer, pos, count), **kw)
+        if accepted:
+            self.want[buffer][self.dst[pos:pos + count]] = self.src[buffer][pos:pos + count]
+
+    def state(self, buffer: int, pos: int = 0, count: int = 1, *, accepted: bool = True) -> None:
+        self.fake.data(self.tok, STATE, buffer, pos, count, self.rows(buffer, pos, count))
+        if accepted:
+            comp = self.layout.buffers[buffer].component
+            self.want[buffer][self.slots[comp][pos:pos + count]] = self.src[buffer][pos:pos + count]
+
+    def aux_row(self, *, accepted: bool = True) -> None:
+        a = self.layout.aux_index
+        self.fake.data(self.tok, AUX, a, 0, 1, self.rows(a, 0, 1))
+        if accepted:
+            self.want[a][self.aux] = self.src[a][0]
+
+    def done(self, rank: int = 0) -> None:
+        self.fake.ctrl(Done(self.tok, rank, 0, 0, 0).header())
+
+    def send_all(self, *, done: bool = True) -> int:
+        """Every row of the room, honestly; returns the number of data messages sent."""
+        for b in self.layout.indices("kv"):
+            self.kv(b, self.prefix, self.n - self.prefix)
+        for b in self.layout.indices("state"):
+            self.state(b, 0, len(self.slots[self.layout.buffers[b].component]))
+        self.aux_row()
+        if done:
+            self.done()
+        return len(self.layout.indices("kv")) + len(self.layout.indices("state")) + 1
+
+    def wait(self) -> Any:
+        st = self.env.dc.wait(self.room, self.group, 15)
+        assert st.state.terminal, st
+        return st
+
+    def absorb_real_room(self) -> None:
+        """Accept what a real room (:func:`assert_serves`) wrote into its own rows."""
+        L, pool = self.layout, self.env.dpool.rows
+        for b in L.indices("kv"):
+            self.want[b][REAL_DST:REAL_DST + REAL_N] = pool[b][REAL_DST:REAL_DST + REAL_N]
+        for b in (*L.indices("state"), L.aux_index):
+            self.want[b][REAL_SLOT] = pool[b][REAL_SLOT]
+
+    def check_pool(self) -> None:
+        """Not a byte changed but the rows this room was allowed to write."""
+        self.env.dc.ping()
+        for b, rows in enumerate(self.env.dpool.rows):
+            bad = np.nonzero((rows != self.want[b]).any(axis=1))[0]
+            assert bad.size == 0, f"buffer {b} ({self.layout.buffers[b].name}) rows {bad[:8].tolist()} differ"
+
+
+def open_room(env: Env, fake: Fake, group: str, *, n: int = 6, prefix: int = 0, n_slots: int = 1,
+              rank: int = 0) -> FakeRoom:
+    L = env.dpool.layout
+    rid = next(env.ids)
+    g = np.random.default_rng(rid)
+    base = int(g.integers(0, REAL_DST - 10))
+    dst = [base + i for i in range(n)]
+    if n > 3:
+        dst[1], dst[2] = dst[2], dst[1]  # a broken run
+    slots = {c: [int(s) for s in g.choice(48, n_slots, replace=False)] for c in L.state_components}
+    aux = int(g.integers(0, 48))
+    src = {b: g.integers(0, 256, (n, L.buffers[b].row_bytes), dtype=np.uint8) for b in L.indices("kv")}
+    src |= {b: g.integers(0, 256, (n_slots, L.buffers[b].row_bytes), dtype=np.uint8) for b in L.indices("state")}
+    arow = g.integers(0, 256, (1, L.aux_row_bytes), dtype=np.uint8)
+    arow[0, :8] = np.frombuffer(np.uint64(rid).astype("<u8").tobytes(), np.uint8)
+    src[L.aux_index] = arow
+    want = [rows.copy() for rows in env.dpool.rows]
+    env.dc.expect(rid, group, dst, aux_slot=aux, prefix_pages=prefix, state=slots)
+    a = fake.next("assign")
+    assert (a["room"], a["n"], a["prefix"], a["dst"], a["aux"]) == (rid, n, prefix, dst, aux), a
+    assert a["state"] == slots
+    return FakeRoom(env, fake, group, rid, a["tok"], n, prefix, dst, slots, aux, src, want)
+
+
+def fake_sender(env: Env, **reg: Any) -> tuple[Fake, str]:
+    group = f"fake-{next(env.ids)}"
+    f = env.fake("sender")
+    reply = f.register(group, 0, 1, **reg)
+    assert reply["ok"] is True, reply
+    return f, group
+
+
+def _kv0(r: FakeRoom) -> int:
+    return r.layout.indices("kv")[0]
+
+
+def _st0(r: FakeRoom) -> int:
+    return r.layout.indices("state")[0]
+
+
+def case_length_short(r: FakeRoom) -> None:
+    r.fake.data(r.tok, KV, _kv0(r), 0, 2, r.rows(_kv0(r), 0, 2)[:-1])
+
+
+def case_length_long(r: FakeRoom) -> None:
+    r.fake.data(r.tok, KV, _kv0(r), 0, 2, r.rows(_kv0(r), 0, 3))
+
+
+def case_length_state_empty(r: FakeRoom) -> None:
+    r.fake.data(r.tok, STATE, _st0(r), 0, 1, b"")
+
+
+def case_length_after_good_rows(r: FakeRoom) -> None:
+    r.kv(_kv0(r), 0, 3)  # accepted and written: an intended row
+    r.fake.data(r.tok, KV, _kv0(r), 3, 1, r.rows(_kv0(r), 3, 1) + b"\0")
+
+
+def case_kv_past_the_end(r: FakeRoom) -> None:
+    r.fake.data(r.tok, KV, _kv0(r), r.n - 1, 2, r.rows(_kv0(r), 0, 2))
+
+
+def case_kv_far_away(r: FakeRoom) -> None:
+    r.fake.data(r.tok, KV, _kv0(r), (1 << 40) - 1, 1, r.rows(_kv0(r), 0, 1))
+
+
+def case_kv_in_the_prefix(r: FakeRoom) -> None:
+    r.kv(_kv0(r), 0, 1, accepted=False)  # the room (below) has prefix 2
+
+
+def case_duplicate_overlap(r: FakeRoom) -> None:
+    r.kv(_kv0(r), 0, 4)
+    r.fake.data(r.tok, KV, _kv0(r), 3, 2, np.full(2 * ROW, 0xAB, np.uint8).tobytes())
+
+
+def case_duplicate_replay(r: FakeRoom) -> None:
+    r.kv(_kv0(r), 2, 2)
+    r.fake.data(r.tok, KV, _kv0(r), 2, 2, bytes(2 * ROW))
+
+
+def case_duplicate_state(r: FakeRoom) -> None:
+    r.state(_st0(r))
+    r.fake.data(r.tok, STATE, _st0(r), 0, 1, bytes(r.layout.buffers[_st0(r)].row_bytes))
+
+
+def case_duplicate_aux(r: FakeRoom) -> None:
+    r.aux_row()
+    r.aux_row(accepted=False)
+
+
+def case_buffer_out_of_range(r: FakeRoom) -> None:
+    r.fake.data(r.tok, KV, len(r.layout.buffers), 0, 1, r.rows(_kv0(r), 0, 1))
+
+
+def case_buffer_far_out_of_range(r: FakeRoom) -> None:
+    r.fake.data(r.tok, STATE, (1 << 20) - 1, 0, 1, b"\0" * 16)
+
+
+def case_kind_kv_for_a_state_buffer(r: FakeRoom) -> None:
+    b = _st0(r)
+    r.fake.data(r.tok, KV, b, 0, 1, bytes(r.layout.buffers[b].row_bytes))
+
+
+def case_kind_aux_for_a_kv_buffer(r: FakeRoom) -> None:
+    r.fake.data(r.tok, AUX, _kv0(r), 0, 1, r.rows(_kv0(r), 0, 1))
+
+
+def case_state_slot_beyond_the_room(r: FakeRoom) -> None:
+    b = _st0(r)  # the room has one slot per component: position 1 is not the room's
+    r.fake.data(r.tok, STATE, b, 1, 1, bytes(r.layout.buffers[b].row_bytes))
+
+
+def case_state_count_beyond_the_room(r: FakeRoom) -> None:
+    b = _st0(r)
+    r.fake.data(r.tok, STATE, b, 0, 2, bytes(2 * r.layout.buffers[b].row_bytes))
+
+
+def case_aux_guard(r: FakeRoom) -> None:
+    a = r.layout.aux_index
+    row = r.src[a][0].copy()
+    row[:8] = np.frombuffer(np.uint64(r.room + 1).astype("<u8").tobytes(), np.uint8)
+    r.fake.data(r.tok, AUX, a, 0, 1, row.tobytes())
+
+
+def case_aux_guard_zero(r: FakeRoom) -> None:
+    a = r.layout.aux_index
+    r.fake.data(r.tok, AUX, a, 0, 1, bytes(r.layout.aux_row_bytes))
+
+
+def case_aux_at_position_1(r: FakeRoom) -> None:
+    a = r.layout.aux_index
+    r.fake.data(r.tok, AUX, a, 1, 1, r.rows(a, 0, 1))
+
+
+def case_aux_two_rows(r: FakeRoom) -> None:
+    a = r.layout.aux_index
+    r.fake.data(r.tok, AUX, a, 0, 2, r.rows(a, 0, 1) * 2)
+
+
+def case_checksum_missing(r: FakeRoom) -> None:
+    r.kv(_kv0(r), 0, 1, accepted=False)
+
+
+def case_checksum_wrong(r: FakeRoom) -> None:
+    payload = r.rows(_kv0(r), 0, 1)
+    r.fake.data(r.tok, KV, _kv0(r), 0, 1, payload, checksum=zlib.crc32(payload) ^ 1)
+
+
+def case_checksum_right_then_wrong(r: FakeRoom) -> None:
+    payload = r.rows(_kv0(r), 0, 2)
+    r.kv(_kv0(r), 0, 2, checksum=zlib.crc32(payload))
+    payload = r.rows(_kv0(r), 2, 1)
+    r.fake.data(r.tok, KV, _kv0(r), 2, 1, payload, checksum=(zlib.crc32(payload) + 1) & 0xFFFFFFFF)
+
+
+def case_done_with_rows_missing(r: FakeRoom) -> None:
+    for b in r.layout.indices("kv"):
+        r.kv(b, 0, r.n)
+    r.done()  # no state, no aux
+
+
+def case_done_with_nothing_sent(r: FakeRoom) -> None:
+    r.done()
+
+
+def case_done_missing_one_kv_row(r: FakeRoom) -> None:
+    kv = r.layout.indices("kv")
+    for b in kv:
+        r.kv(b, 0, r.n - (1 if b == kv[-1] else 0))
+    for b in r.layout.indices("state"):
+        r.state(b)
+    r.aux_row()
+    r.done()
+
+
+# name, case, code the room fails with, refusal counted (None: a room failure, not a refused frame),
+# register kwargs, room kwargs
+ROOM_CASES: list[tuple[str, Callable[[FakeRoom], None], str, str | None, dict[str, Any], dict[str, Any]]] = [
+    ("length-short", case_length_short, "length_mismatch", "length_mismatch", {}, {}),
+    ("length-long", case_length_long, "length_mismatch", "length_mismatch", {}, {}),
+    ("length-state-empty", case_length_state_empty, "length_mismatch", "length_mismatch", {}, {}),
+    ("length-after-good-rows", case_length_after_good_rows, "length_mismatch", "length_mismatch", {}, {}),
+    ("kv-past-the-end", case_kv_past_the_end, "unexpected", "unexpected", {}, {}),
+    ("kv-far-away", case_kv_far_away, "unexpected", "unexpected", {}, {}),
+    ("kv-in-the-prefix", case_kv_in_the_prefix, "unexpected", "unexpected", {}, {"prefix": 2}),
+    ("duplicate-overlap", case_duplicate_overlap, "duplicate", "duplicate", {}, {}),
+    ("duplicate-replay", case_duplicate_replay, "duplicate", "duplicate", {}, {}),
+    ("duplicate-state", case_duplicate_state, "duplicate", "duplicate", {}, {}),
+    ("duplicate-aux", case_duplicate_aux, "duplicate", "duplicate", {}, {}),
+    ("buffer-out-of-range", case_buffer_out_of_range, "unexpected", "unexpected", {}, {}),
+    ("buffer-far-out-of-range", case_buffer_far_out_of_range, "unexpected", "unexpected", {}, {}),
+    ("kind-kv-for-state-buffer", case_kind_kv_for_a_state_buffer, "unexpected", "unexpected", {}, {}),
+    ("kind-aux-for-kv-buffer", case_kind_aux_for_a_kv_buffer, "unexpected", "unexpected", {}, {}),
+    ("state-slot-beyond-room", case_state_slot_beyond_the_room, "unexpected", "unexpected", {}, {}),
+    ("state-count-beyond-room", case_state_count_beyond_the_room, "unexpected", "unexpected", {}, {}),
+    ("aux-guard", case_aux_guard, "aux_guard", "aux_guard", {}, {}),
+    ("aux-guard-zero", case_aux_guard_zero, "aux_guard", "aux_guard", {}, {}),
+    ("aux-position-1", case_aux_at_position_1, "unexpected", "unexpected", {}, {}),
+    ("aux-two-rows", case_aux_two_rows, "unexpected", "unexpected", {}, {}),
+    ("checksum-missing", case_checksum_missing, "checksum", "checksum", {"checksum": "crc32"}, {}),
+    ("checksum-wrong", case_checksum_wrong, "checksum", "checksum", {"checksum": "crc32"}, {}),
+    ("checksum-right-then-wrong", case_checksum_right_then_wrong, "checksum", "checksum", {"checksum": "crc32"}, {}),
+    ("done-rows-missing", case_done_with_rows_missing, "incomplete", None, {}, {}),
+    ("done-nothing-sent", case_done_with_nothing_sent, "incomplete", None, {}, {}),
+    ("done-one-kv-row-missing", case_done_missing_one_kv_row, "incomplete", None, {}, {}),
+]
+
+
+@pytest.mark.parametrize(("case", "code", "refusal", "reg", "room_kw"), [c[1:] for c in ROOM_CASES],
+                         ids=[c[0] for c in ROOM_CASES])
+def test_fake_sender_bad_data_fails_the_room_and_writes_nothing(
+        guard: Env, case: Callable[[FakeRoom], None], code: str, refusal: str | None, reg: dict[str, Any],
+        room_kw: dict[str, Any]) -> None:
+    env = guard
+    fake, group = fake_sender(env, **reg)
+    r = open_room(env, fake, group, **room_kw)
+    before, fails_before = env.refused(), dict(env.dc.stats()["failures"])
+    logs = env.log_lines(refusal) if refusal else 0
+    case(r)
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == code, st
+    assert f"{group} rank 0" in st.reason, st.reason
+    if refusal is not None:
+        assert_refused_once(env, before, logs, refusal)
+    else:
+        assert delta(env.refused(), before) == {}
+    assert delta(env.dc.stats()["failures"], fails_before) == {code: 1}
+    # the peer hears the outcome too
+    status = fake.next("status")
+    assert (status["tok"], status["state"], status["code"]) == (r.tok, "failed", code), status
+    r.check_pool()
+    # frames that still come for the failed room are dropped, never written
+    dropped = env.dc.stats()["dropped"].get("room_not_live", 0)
+    want = [w.copy() for w in r.want]
+    late = r.send_all(done=False)
+    r.want = want
+    env.until(lambda: env.dc.stats()["dropped"].get("room_not_live", 0) == dropped + late, "late frames dropped")
+    assert env.dc.poll(r.room, group).code == code
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_data_for_a_token_never_assigned_is_refused_and_the_room_still_completes(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env)
+    r = open_room(env, fake, group)
+    before, logs = env.refused(), env.log_lines("unknown_room")
+    for tok in (r.tok + 1, r.tok ^ (1 << 40), 0):
+        fake.data(tok, KV, _kv0(r), 0, 1, bytes(ROW))
+    env.until(lambda: env.refused().get("unknown_room", 0) >= before.get("unknown_room", 0) + 3, "refusals")
+    assert delta(env.refused(), before) == {"unknown_room": 3}
+    assert env.log_lines("unknown_room") == logs + 3
+    assert env.dc.poll(r.room, group).state is RoomState.WAITING
+    r.check_pool()
+    # the honest frames of the fake then complete the room, byte-exact, and nothing else moved
+    r.send_all()
+    st = r.wait()
+    assert st.state is RoomState.SUCCESS, st
+    assert fake.next("status")["state"] == "success"
+    r.check_pool()
+    # data after success (after its own done) is dropped, never written
+    dropped = env.dc.stats()["dropped"].get("room_not_live", 0)
+    want = [w.copy() for w in r.want]
+    r.src = {b: 255 - v for b, v in r.src.items()}
+    late = r.send_all(done=False)
+    r.want = want
+    env.until(lambda: env.dc.stats()["dropped"].get("room_not_live", 0) == dropped + late, "late frames dropped")
+    r.check_pool()
+    assert delta(env.refused(), before) == {"unknown_room": 3}
+    # a released room's token is unknown again
+    env.dc.release(r.room, group)
+    fake.data(r.tok, KV, _kv0(r), 0, 1, r.rows(_kv0(r), 0, 1))
+    env.until(lambda: env.refused().get("unknown_room", 0) == before.get("unknown_room", 0) + 4, "refusal")
+    r.check_pool()
+
+
+def test_a_peer_not_assigned_to_the_room_is_refused_and_the_room_goes_on(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env)
+    other, _ = fake_sender(env)
+    r = open_room(env, fake, group)
+    before, logs = env.refused(), env.log_lines("wrong_peer")
+    other.data(r.tok, KV, _kv0(r), 0, 1, r.rows(_kv0(r), 0, 1))            # another group's peer
+    other.ctrl(Done(r.tok, 0, 0, 0, 0).header())
+    r.done(rank=1)                                                          # its own room, another rank
+    env.until(lambda: env.refused().get("wrong_peer", 0) >= before.get("wrong_peer", 0) + 3, "refusals")
+    assert delta(env.refused(), before) == {"wrong_peer": 3}
+    assert env.log_lines("wrong_peer") == logs + 3
+    assert env.dc.poll(r.room, group).state is RoomState.WAITING
+    r.check_pool()
+    r.send_all()
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_data_after_its_own_done_fails_the_room(guard: Env) -> None:
+    """Rank 0 of a cp_size 2 group finishes its share and reports done; then it sends again."""
+    env = guard
+    group = f"fake2-{next(env.ids)}"
+    r0, r1 = env.fake("r0"), env.fake("r1")
+    assert r0.register(group, 0, 2)["ok"] and r1.register(group, 1, 2)["ok"]
+    r = open_room(env, r0, group, n=6)
+    assert r1.next("assign")["tok"] == r.tok
+    # pages: rank 0 owns positions [0, 3), state and aux
+    for b in r.layout.indices("kv"):
+        r.kv(b, 0, 3)
+    for b in r.layout.indices("state"):
+        r.state(b)
+    r.aux_row()
+    r.done()
+    env.dc.ping()
+    assert env.dc.poll(r.room, group).state is RoomState.TRANSFERRING
+    before, logs = env.refused(), env.log_lines("after_done")
+    r.fake.data(r.tok, KV, _kv0(r), 1, 1, bytes(ROW))  # a row it already sent, after done
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "after_done", st
+    assert f"{group} rank 0" in st.reason and "after reporting done" in st.reason, st.reason
+    assert_refused_once(env, before, logs, "after_done")
+    assert [f.next("status")["code"] for f in (r0, r1)] == ["after_done"] * 2
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_messages_a_receiver_never_gets_are_refused_from_a_registered_peer(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env)
+    r = open_room(env, fake, group)
+    before, logs = env.refused(), env.log_lines("unexpected_type")
+    fake.ctrl(Assign(9, 9, 1, 0, (0,), {}, 0).header())
+    fake.ctrl(Registered(True, "", "x", 1).header())
+    fake.ctrl(Status(r.tok, r.room, "success").header())
+    env.until(lambda: env.refused().get("unexpected_type", 0) >= before.get("unexpected_type", 0) + 3, "refusals")
+    assert delta(env.refused(), before) == {"unexpected_type": 3}
+    assert env.log_lines("unexpected_type") == logs + 3
+    # done and fail for tokens that name no live room are dropped, not counted as refusals
+    dropped = dict(env.dc.stats()["dropped"])
+    fake.ctrl(Done(r.tok + 7, 0, 0, 0, 0).header())
+    fake.ctrl(Fail(r.tok + 7, "x", "y").header())
+    env.until(lambda: delta(env.dc.stats()["dropped"], dropped) == {"done_not_live": 1, "fail_not_live": 1},
+              "drops")
+    assert delta(env.refused(), before) == {"unexpected_type": 3}
+    # a status claiming success changed nothing: the room is still waiting for its rows
+    assert env.dc.poll(r.room, group).state is RoomState.WAITING
+    r.send_all()
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_a_header_over_16_mib_is_a_decode_error(guard: Env) -> None:
+    env = guard
+    before, logs = env.refused(), env.log_lines("decode")
+    f = env.fake("bighead")
+    f.send(pack(Ping(1).header() | {"pad": b"\0" * (16 << 20)}))
+    assert_refused_once(env, before, logs, "decode")
+    assert "exceeds" in env.proc.log.read_text(errors="replace").splitlines()[-1]
+
+
+def test_a_frame_over_max_frame_bytes_drops_the_connection_not_the_receiver(cluster: Cluster) -> None:
+    ep, dc, dpool = cluster.receiver(max_frame_bytes="1MiB", kv_pages=256, state_slots=64, aux_slots=64)
+    pcs, spools = cluster.group(REAL_GROUP, 2, [ep], state_slots=64, aux_slots=64)
+    for i, p in enumerate(spools):
+        fill_random(p, 30 + i)
+    fill_random(dpool, 31)
+    env = Env(cluster, ep, dc, dpool, pcs, spools, cluster.procs[0])
+    try:
+        fake, group = fake_sender(env)
+        r = open_room(env, fake, group)
+        before = env.refused()
+        # 2 MiB + 512 bytes of KV rows in one frame: ZeroMQ's MAXMSGSIZE cuts the connection
+        big = (2 << 20) // ROW + 1
+        fake.data(r.tok, KV, _kv0(r), 0, big, bytes(big * ROW))
+        # the receiver never saw it, wrote nothing, and serves everybody else
+        assert_serves(env)
+        assert delta(env.refused(), before) == {}
+        assert dc.poll(r.room, group).state is RoomState.WAITING
+        r.absorb_real_room()
+        r.check_pool()
+        # the fake's DEALER reconnects under the same identity (still registered: a ping is answered);
+        # its honest frames then complete the room
+        deadline = time.monotonic() + 20
+        while True:
+            fake.ctrl(Ping(7).header())
+            try:
+                fake.next("pong", timeout=1.0)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, "the fake never got through again"
+        assert env.refused() == before
+        r.send_all()
+        assert r.wait().state is RoomState.SUCCESS
+        r.check_pool()
+        dc.release(r.room, group)
+        assert_serves(env)
+    finally:
+        for f in env.fakes:
+            f.close()
+
+
+def proc_alive(env: Env) -> bool:
+    return env.proc.proc.poll() is None
+
+
+# -- fuzz ---------------------------------------------------------------------------------
+
+FIELDS = ["t", "v", "group", "rank", "cp_size", "split", "fp", "layout", "inc", "pid", "host", "epoch", "checksum",
+          "tok", "room", "n", "prefix", "dst", "state", "aux", "bytes", "code", "reason", "seq", "ok", "retry"]
+TYPES = ["register", "registered", "assign", "done", "fail", "status", "ping", "pong", "data", ""]
+
+
+def rand_obj(g: np.random.Generator, depth: int = 0) -> Any:
+    k = int(g.integers(0, 12 if depth < 3 else 8))
+    if k == 0:
+        return int(g.integers(-3, 10))
+    if k == 1:
+        edges = [0, 1, (1 << 20) - 1, 1 << 20, (1 << 32) - 1, 1 << 40, (1 << 63) - 1, (1 << 64) - 1, -(1 << 63), -1]
+        return edges[int(g.integers(0, len(edges)))]
+    if k == 2:
+        return float(g.choice([0.0, -1.5, 1e300, float("nan"), float("inf")]))
+    if k == 3:
+        return str(g.choice(TYPES + FIELDS + ["pages", "layers", "rank0", "crc32", "xxh3", "é\u2603", "\x00"]))
+    if k == 4:
+        return g.integers(0, 256, int(g.integers(0, 24)), dtype=np.uint8).tobytes()
+    if k == 5:
+        return bool(g.integers(0, 2))
+    if k == 6:
+        return None
+    if k == 7:
+        return "".join(chr(int(c)) for c in g.integers(32, 127, int(g.integers(0, 12))))
+    if k in (8, 9):
+        return [rand_obj(g, depth + 1) for _ in range(int(g.integers(0, 8)))]
+    return {rand_obj(g, 3) if g.integers(0, 4) == 0 else str(g.choice(FIELDS)): rand_obj(g, depth + 1)
+            for _ in range(int(g.integers(0, 8)))}
+
+
+def fuzz_messages(g: np.random.Generator, count: int, toks: list[int], layout: PoolLayout,
+                  group: str) -> Iterator[list[bytes]]:
+    """Random bytes, random msgpack objects, and valid messages with fields mutated or bytes flipped."""
+    nbuf = len(layout.buffers)
+    valid: list[Callable[[], Any]] = [
+        lambda: register_header(group, 0, 1),
+        lambda: Ping(int(g.integers(0, 100))).header(),
+        lambda: Pong(1).header(),
+        lambda: Done(int(g.choice(toks)), 0, 0, 0, 0).header(),
+        lambda: Fail(int(g.choice(toks)), "fuzz", "fuzz").header(),
+        lambda: Assign(int(g.choice(toks)), 1, 1, 0, (1,), {}, 0).header(),
+        lambda: Status(int(g.choice(toks)), 1, "failed", "x", "y").header(),
+        lambda: [1, int(g.choice(toks)), int(g.integers(0, 3)), int(g.integers(0, nbuf + 2)), int(g.integers(0, 8)),
+                 int(g.integers(1, 4))],
+    ]
+    for _ in range(count):
+        k = int(g.integers(0, 10))
+        if k <= 1:
+            frames = [g.integers(0, 256, int(g.choice([0, 1, 2, 3, 7, 16, 64, 300])), dtype=np.uint8).tobytes()]
+        elif k <= 3:
+            frames = [pack(rand_obj(g))]
+        else:
+            h = valid[int(g.integers(0, len(valid)))]()
+            if isinstance(h, dict):
+                for _ in range(int(g.integers(0, 3))):
+                    key = str(g.choice(list(h) + FIELDS))
+                    if g.integers(0, 3) == 0:
+                        h.pop(key, None)
+                    else:
+                        h[key] = rand_obj(g)
+                frames = [pack(h)]
+            else:
+                if g.integers(0, 3) == 0:
+                    h[int(g.integers(0, len(h)))] = rand_obj(g)
+                frames = [pack(h)]
+                if isinstance(h[3], int) and 0 <= h[3] < nbuf and isinstance(h[5], int) and 0 < h[5] < 8 \
+                        and g.integers(0, 2) == 0:
+                    frames.append(g.integers(0, 256, h[5] * layout.buffers[h[3]].row_bytes, dtype=np.uint8).tobytes())
+                else:
+                    frames.append(g.integers(0, 256, int(g.integers(0, 600)), dtype=np.uint8).tobytes())
+            if k == 9:  # flip or cut bytes of the header
+                b = bytearray(frames[0])
+                for _ in range(int(g.integers(1, 4))):
+                    b[int(g.integers(0, len(b)))] = int(g.integers(0, 256))
+                frames[0] = bytes(b[: int(g.integers(1, len(b) + 1))])
+        if g.integers(0, 12) == 0:  # the wrong number of frames
+            frames = frames + [b"\0" * int(g.integers(0, 40))] if g.integers(0, 2) else frames[:1]
+        yield frames
+
+
+def test_fuzz_the_data_socket_then_a_normal_room_succeeds(cluster: Cluster) -> None:
+    ep, dc, dpool = cluster.receiver(kv_pages=256, state_slots=64, aux_slots=64)
+    pcs, spools = cluster.group(REAL_GROUP, 2, [ep], state_slots=64, aux_slots=64)
+    for i, p in enumerate(spools):
+        fill_random(p, 40 + i)
+    fill_random(dpool, 41)
+    env = Env(cluster, ep, dc, dpool, pcs, spools, cluster.procs[0])
+    try:
+        snap = [rows.copy() for rows in dpool.rows]
+        allowed = [np.zeros(rows.shape[0], bool) for rows in dpool.rows]
+        stranger = env.fake("stranger")
+        g = np.random.default_rng(20240601)
+        sent, all_rooms = 0, []
+        for round_ in range(8):
+            # a registered fake with live rooms (fresh each round: the fuzz fails rooms and may even
+            # re-register the fake elsewhere), so that fuzzed data reaches the receiver's deep checks
+            fake, group = fake_sender(env)
+            rooms = [open_room(env, fake, group, n=4) for _ in range(10)]
+            all_rooms += [(group, r) for r in rooms]
+            toks = [r.tok for r in rooms] + [0, 1, rooms[0].tok + 999]
+            for r in rooms:
+                for b in dpool.layout.indices("kv"):
+                    allowed[b][r.dst] = True
+                for b in dpool.layout.indices("state"):
+                    allowed[b][r.slots[dpool.layout.buffers[b].component]] = True
+                allowed[dpool.layout.aux_index][r.aux] = True
+            # the stranger's registrations name another group: taking over the fake's group would
+            # be a legitimate restart (peer_restarted) and end the fuzz of its rooms early
+            mine = fuzz_messages(g, 340, toks, dpool.layout, group)
+            theirs = fuzz_messages(g, 160, toks, dpool.layout, f"s{group}")
+            for frames in mine:
+                fake.send(*frames)
+                stranger.send(*next(theirs, [b"\xc1"]))
+                sent += 2
+            fake.pump()
+            stranger.pump()
+        # a probe on each connection: its answer comes after everything sent before it was handled
+        for n, f in enumerate((fake, stranger)):
+            f.ctrl(register_header("probe", 0, 1) | {"v": 4242 + n})
+            env.until(lambda: any(m.get("t") == "registered" and f"version {4242 + n}" in m.get("reason", "")
+                                  for m in f.inbox) or None, "the probe's answer")
+        stats = dc.stats()
+        assert proc_alive(env), cluster.logs()
+        assert stats["refused"].get("internal_error", 0) == 0, (stats, cluster.logs())
+        assert sum(stats["refused"].values()) + sum(stats["dropped"].values()) > sent // 2, stats
+        for b, rows in enumerate(dpool.rows):
+            changed = np.nonzero((rows != snap[b]).any(axis=1))[0]
+            outside = [int(x) for x in changed if not allowed[b][x]]
+            assert not outside, f"buffer {b} rows {outside[:8]} outside the fuzzed rooms changed"
+        # no fuzzed room may have passed as a success without its exact bytes
+        for group, r in all_rooms:
+            st = dc.poll(r.room, group)
+            assert st.state is not RoomState.SUCCESS, (r.room, st)
+            dc.release(r.room, group)
+        assert_serves(env)
+        # and an honest fake (new identity) is served byte-exact too
+        honest, hgroup = fake_sender(env)
+        h = open_room(env, honest, hgroup)
+        h.send_all()
+        assert h.wait().state is RoomState.SUCCESS
+        h.check_pool()
+        dc.release(h.room, hgroup)
+        assert_serves(env)
+    finally:
+        for f in env.fakes:
+            f.close()
+
+
+# -- an identity that changes its story ---------------------------------------------------
+
+def test_rooms_of_a_silent_peer_fail_even_after_it_claimed_another_group(cluster: Cluster) -> None:
+    ep, dc, dpool = cluster.receiver(kv_pages=256, state_slots=64, aux_slots=64, heartbeat_interval_s=0.2,
+                                     heartbeat_misses=5)
+    env = Env(cluster, ep, dc, dpool, [], [], cluster.procs[0])
+    fake = env.fake("switch")
+    ga, gb = "switch-a", "switch-b"
+    assert fake.register(ga)["ok"] is True
+    r = open_room(env, fake, ga)
+    fake.register(gb)  # the same identity now claims rank 0 of another group (accepted or refused)
+    fake.close()  # and goes silent: no pongs, nothing
+    env.fakes.clear()
+
+    def gone() -> bool:
+        return not any(rank.get("host") == "hostile-test" for g in dc.status()["groups"].values()
+                       for rank in g["ranks"].values())
+    try:
+        env.until(gone, "the silent identity to be forgotten")
+        # the room of group a was assigned to exactly this identity: it must fail, naming the peer
+        st = dc.wait(r.room, ga, 2.0)
+        assert st.state is RoomState.FAILED and st.code == "peer_lost", st
+        assert "rank 0" in st.reason, st.reason
+    finally:
+        dc.release(r.room, ga)  # a room left live would hold up the receiver's drain on SIGTERM
+
+
+# -- the same-host path (data-ref: the receiver copies rows out of the sender's own pool) -------
+
+def _data_ref(f: Fake, tok: int, kind: int, buffer: int, pos: int, count: int, src_row: int) -> None:
+    f.send(pack([2, tok, kind, buffer, pos, count, src_row]))
+
+
+same_host = pytest.mark.skipif(not hasattr(messages_mod, "DataRef"), reason="this tree has no same-host path")
+
+
+@same_host
+def test_data_ref_without_an_agreed_same_host_path_fails_the_room(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env)
+    r = open_room(env, fake, group)
+    before, logs = env.refused(), env.log_lines("no_shm")
+    _data_ref(fake, r.tok, KV, _kv0(r), 0, 1, 0)
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "no_shm", st
+    assert_refused_once(env, before, logs, "no_shm")
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+@same_host
+def test_data_ref_rows_outside_the_senders_pool_fail_the_room_and_good_refs_complete_one(guard: Env) -> None:
+    from transferd.pool import host_boot_id
+
+    env = guard
+    name = f"{env.cluster.tag}-fakeshm-{next(env.ids)}"
+    spool = Pool.create(name, FAKE_LAYOUT)
+    env.cluster.pools.append(spool)  # unlinked with the cluster (its name carries the tag)
+    fill_random(spool, 3)
+    group = f"fakeshm-{next(env.ids)}"
+    fake = env.fake("shm")
+    offer = {"boot_id": host_boot_id(), "pool": name}
+    if hasattr(spool, "pool_id"):  # the pool's identity, where the tree checks it (a name alone can be reused)
+        offer["pool_id"] = spool.pool_id
+    fake.ctrl(register_header(group, 0, 1) | offer)
+    reply = fake.next("registered")
+    assert reply["ok"] is True and reply.get("shm") is True, reply
+    rows = FAKE_LAYOUT.kv_rows
+    # rows [rows - 1, rows + 1) of the sender's own pool: one past its end
+    r = open_room(env, fake, group)
+    before, logs = env.refused(), env.log_lines("index_out_of_range")
+    _data_ref(fake, r.tok, KV, _kv0(r), 0, 2, rows - 1)
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "index_out_of_range", st
+    assert_refused_once(env, before, logs, "index_out_of_range")
+    r.check_pool()
+    env.dc.release(r.room, group)
+    # honest references complete a room byte-exact out of the sender's pool
+    r = open_room(env, fake, group)
+    L = r.layout
+    src = [5, 6, 7, 9, 10, 11]
+    for b in L.indices("kv"):
+        _data_ref(fake, r.tok, KV, b, 0, 3, 5)
+        _data_ref(fake, r.tok, KV, b, 3, 3, 9)
+        r.want[b][r.dst] = spool.rows[b][src]
+    for b in L.indices("state"):
+        _data_ref(fake, r.tok, STATE, b, 0, 1, 2)
+        r.want[b][r.slots[L.buffers[b].component][0]] = spool.rows[b][2]
+    a = L.aux_index
+    spool.rows[a][4, :8] = np.frombuffer(np.uint64(r.room).astype("<u8").tobytes(), np.uint8)
+    _data_ref(fake, r.tok, AUX, a, 0, 1, 4)
+    r.want[a][r.aux] = spool.rows[a][4]
+    r.done()
+    st = r.wait()
+    assert st.state is RoomState.SUCCESS, st
+    r.check_pool()
+    env.dc.release(r.room, group)
