@@ -1,17 +1,55 @@
-# transferd — multi-stage: build a wheel, install it into a slim runtime as a non-root user.
-FROM python:3.11-slim AS build
+# transferd — multi-stage: wheels built in the first stage, installed offline into a slim runtime
+# that runs as a non-root user. Build from the repository root:
+#
+#   docker build -t transferd:0.1.0 .
+#
+# Run (one container per role and rank; deploy/compose/ does this across two nodes):
+#
+#   docker run -d --name transferd-decode --network host --ipc host \
+#     -v /run/transferd:/run/transferd -v /etc/transferd/keys:/etc/transferd/keys:ro \
+#     --stop-timeout 45 transferd:0.1.0 receiver --config /etc/transferd/receiver.toml
+#
+# --ipc host: pools are files in /dev/shm that the engine maps too (or give both containers one
+# shared, large enough --shm-size). The engine sockets live in /run/transferd (0700, sockets 0600,
+# uid 10001): mount the host's directory there, and run the engine as uid 10001 too.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY transferd ./transferd
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# transferd's wheel and the wheels of all its dependencies
+RUN pip wheel --wheel-dir /wheels .
 
-FROM python:3.11-slim
-RUN useradd --system --uid 10001 --home-dir /var/lib/transferd --create-home transferd
+# the wheels installed, offline, into a venv that the runtime stage copies (no wheel left behind)
+FROM ${PYTHON_IMAGE} AS install
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
-COPY configs /etc/transferd
-USER transferd
+RUN python -m venv /opt/transferd \
+    && /opt/transferd/bin/pip install --no-index --find-links /wheels transferd
+
+FROM ${PYTHON_IMAGE}
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/transferd/bin:$PATH
+COPY --from=install /opt/transferd /opt/transferd
+RUN groupadd --system --gid 10001 transferd \
+    && useradd --system --uid 10001 --gid transferd --home-dir /var/lib/transferd --create-home \
+       --shell /usr/sbin/nologin transferd \
+    && install -d -o transferd -g transferd -m 0700 /run/transferd \
+    && install -d -m 0755 /etc/transferd /etc/transferd/keys
+COPY configs/ /etc/transferd/
+# the engine sockets (ipc://{run_dir}/...); the environment beats a config file's run_dir
 ENV TRANSFERD_RUN_DIR=/run/transferd
-# pools live in /dev/shm: run with --ipc=host (or a shared tmpfs) so engines can attach them
+# numeric, so that a runtime can tell it is not root (Kubernetes runAsNonRoot)
+USER 10001:10001
+WORKDIR /var/lib/transferd
+# SIGTERM drains for up to drain_timeout_s (30 s): give `docker stop` more (--stop-timeout 45)
+STOPSIGNAL SIGTERM
+# Asks the daemon over its engine socket (not just "is the process there"): `transferd status`
+# exits non-zero when the daemon does not answer. This one fits the default command (the
+# receiver); a sender container overrides it with its --config and --cp-rank (compose does).
+HEALTHCHECK --interval=15s --timeout=10s --start-period=30s --retries=3 \
+    CMD ["transferd", "status", "--json", "--config", "/etc/transferd/receiver.toml"]
 ENTRYPOINT ["transferd"]
-CMD ["receiver", "--config", "/etc/transferd/local.toml"]
+CMD ["receiver", "--config", "/etc/transferd/receiver.toml"]

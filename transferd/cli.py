@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="ask a running daemon how it is doing (exit 1 if it does not answer)")
     _common(p)
     who = p.add_mutually_exclusive_group()
-    who.add_argument("--sender", type=int, metavar="RANK", help="ask the sender agent of this CP rank")
+    who.add_argument("--sender", "--cp-rank", type=int, metavar="RANK", dest="sender",
+                     help="ask the sender agent of this CP rank")
     who.add_argument("--receiver", action="store_true", help="ask the receiver (the default)")
     p.add_argument("--endpoint", help="engine socket to ask instead of the configured one")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -401,7 +401,7 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
     ``TRANSFERD_LOG_LEVEL``, ``TRANSFERD_LOG_FORMAT``. Unknown ``TRANSFERD_`` names are errors
     (except the few that are not configuration, such as ``TRANSFERD_SHM_DIR``)."""
     for name, value in env.items():
-        if not name.startswith("TRANSFERD_") or name in ("TRANSFERD_SHM_DIR",):
+        if not name.startswith("TRANSFERD_") or name in ("TRANSFERD_SHM_DIR", "TRANSFERD_CONFIG"):
             continue
         rest = name[len("TRANSFERD_"):].lower()
         if rest in _TOP:

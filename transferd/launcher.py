@@ -21,6 +21,17 @@ from .errors import ClientTimeout, TransferdError
 log = logging.getLogger(__name__)
 
 
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM it when the launching process dies (Linux PR_SET_PDEATHSIG),
+    so a killed launcher, demo or test run leaves no daemons behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
 @dataclass
 class Child:
     role: str
@@ -62,7 +73,7 @@ class Launcher:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{child.label.replace(' ', '-')}.log", "ab")
         child.proc = subprocess.Popen(child.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=die_with_parent)
         if out is not None:
             out.close()
         log.info("started %s (pid %d)", child.label, child.proc.pid)

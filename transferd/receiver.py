@@ -38,7 +38,7 @@ from .protocol.messages import (
     PROTOCOL_VERSION, Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
     encode,
 )
-from .protocol.policy import SplitMode
+from .protocol.policy import RankPlan, SplitMode, group_plans
 from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance
 from .transport import LocalApiServer, configure, is_wildcard, load_keypair, send_nowait, watch_handshakes
 
@@ -112,6 +112,7 @@ class Receiver(AgentBase):
         self.data_endpoint = ""
         self.engine_endpoint = ""
         self._nudged: dict[bytes, float] = {}
+        self._plans: dict[tuple[int, SplitMode, int, int], list[RankPlan]] = {}
         self._row_bytes = [b.row_bytes for b in self.layout.buffers]
         self._kind_of = [b.kind for b in self.layout.buffers]
         self.metrics_bind = self.rcfg.metrics_bind
@@ -186,12 +187,13 @@ class Receiver(AgentBase):
         for room in list(self.rooms.values()):
             self._finish(room, RoomStatus(RoomState.FAILED, "shutdown", f"shutting down: receiver {self.rcfg.name} "
                                                                         "stopped before the room ended"))
+        await asyncio.sleep(0.05)  # let the engines' pending waits and the senders' statuses go out
         for peer in self.peers.values():
             peer.close()
         if hasattr(self, "api"):
             self.api.close()
         if hasattr(self, "router"):
-            self.router.close(linger=0)
+            self.router.close(linger=500)
         if getattr(self, "auth", None) is not None:
             self.auth.stop()
         if self.pool is not None:
@@ -488,7 +490,13 @@ class Receiver(AgentBase):
     # -- room management -----------------------------------------------------------------
     def _assign(self, room: DecodeRoom, group: Group, rank: int) -> None:
         if room.tracker is None:
-            room.tracker = CoverageTracker(self.layout, group.cp_size, group.split, room.req)
+            key = (group.cp_size, group.split, len(room.req.dst_pages), room.req.prefix)
+            plans = self._plans.get(key)
+            if plans is None:  # plans depend only on these four numbers: most rooms reuse one
+                if len(self._plans) > 4096:
+                    self._plans.clear()
+                plans = self._plans[key] = group_plans(self.layout, *key)
+            room.tracker = CoverageTracker(self.layout, group.cp_size, group.split, room.req, plans)
         ident = group.ranks[rank]
         req = room.req
         room.assigned[rank] = ident

@@ -18,6 +18,7 @@ import numpy as np
 from transferd.client import DecodeClient, PrefillClient
 from transferd.config import Config, load
 from transferd.errors import ClientTimeout
+from transferd.launcher import die_with_parent
 from transferd.pool import Pool
 
 MODEL = {
@@ -90,7 +91,7 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
         with open(log, "ab") as out:
             p = subprocess.Popen([sys.executable, "-m", "transferd", *argv, "--config", str(cfg_path)],
-                                 stdout=out, stderr=subprocess.STDOUT, env=env)
+                                 stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         proc = Proc(label, p, log, load(cfg_path, env={}))
         self.procs.append(proc)
         return proc

@@ -127,11 +127,12 @@ class CoverageTracker:
     frame against the plan and returns the destination rows, or raises :class:`Refused`.
     """
 
-    def __init__(self, layout: PoolLayout, cp_size: int, split: SplitMode, req: RoomRequest) -> None:
+    def __init__(self, layout: PoolLayout, cp_size: int, split: SplitMode, req: RoomRequest,
+                 plans: list[RankPlan] | None = None) -> None:
         self.layout = layout
         self.req = req
         n = len(req.dst_pages)
-        self.plans: list[RankPlan] = group_plans(layout, cp_size, split, n, req.prefix)
+        self.plans: list[RankPlan] = plans if plans is not None else group_plans(layout, cp_size, split, n, req.prefix)
         self.dst = np.asarray(req.dst_pages, dtype=np.int64)
         self.dst_run_end = run_ends(req.dst_pages)
         self.state_dst = {c: np.asarray(req.state.get(c, ()), dtype=np.int64) for c in layout.state_components}

@@ -1,0 +1,143 @@
+"""``transferd bench --quick --json -`` on real processes: the JSON carries every figure the issue
+asks for, with sane types; every verified room was byte-exact; the de-dup accounting is exact.
+No timing asserts: speed is what the bench reports, not what the tests judge."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from transferd.config import load
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = ("64KiB", "256KiB", "1MiB")
+BULK = (*SIZES, "64KiB_contig")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def _pos(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def run() -> tuple[dict[str, Any], str]:
+    shm_before = set(Path("/dev/shm").glob("transferd-bench*"))
+    proc = subprocess.run([sys.executable, "-m", "transferd", "bench", "--quick", "--json", "-"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    # stdout is the JSON alone (the table went to stderr); the bench removed every pool it made
+    assert set(Path("/dev/shm").glob("transferd-bench*")) <= shm_before
+    return json.loads(proc.stdout), proc.stderr
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_every_measured_room_was_byte_exact(run: tuple[dict[str, Any], str]) -> None:
+    out, _ = run
+    assert out["mismatched_bytes"] == 0
+    assert out["rooms_failed"] == 0 and out["rooms_failed_by_reason"] == {}
+    assert out["verified_rooms"] > 0 and out["rooms_ok"] > out["verified_rooms"]
+    assert out["quick"] is True and out["repeats"] >= 1
+    assert out["daemon_exit_codes"] == {}  # every daemon stopped cleanly on SIGTERM
+
+
+def test_limits_and_bulk_have_a_figure_per_size(run: tuple[dict[str, Any], str]) -> None:
+    out, _ = run
+    for path in ("memcpy", "raw_zmq_tcp"):
+        for key in SIZES:
+            entry = out["limits"][path][key]
+            assert _pos(entry["gbps"]), (path, key, entry)
+            assert len(entry["rounds"]) == out["repeats"]
+    for key in BULK:
+        b = out["bulk"][key]
+        assert _pos(b["gbps"]) and _pos(b["vs_raw_zmq"]) and _pos(b["vs_memcpy"]), (key, b)
+        assert b["room_bytes"] > 0 and b["rooms_per_measurement"] > 0
+        assert b["shm_share"] == 0.0  # the TCP column really went over TCP
+    assert _pos(out["ratios"]["tcp_vs_raw_zmq"])
+    assert out["ratios"]["tcp_vs_raw_zmq"] == out["bulk"]["1MiB"]["vs_raw_zmq"]
+
+
+def test_same_host_column_when_transferd_has_the_path(run: tuple[dict[str, Any], str]) -> None:
+    out, _ = run
+    sh = out["same_host"]
+    assert isinstance(sh["available"], bool) and sh["note"]
+    if not sh["available"]:
+        assert out["ratios"]["same_host_vs_memcpy"] is None
+        return
+    assert _pos(out["ratios"]["same_host_vs_memcpy"])
+    for key in BULK:
+        assert _pos(sh[key]["gbps"]) and _pos(sh[key]["vs_memcpy"]), (key, sh[key])
+        assert sh[key]["shm_share"] == pytest.approx(1.0, abs=1e-3)  # it really took the same-host path
+
+
+def test_small_rooms_at_cp1_and_cp8(run: tuple[dict[str, Any], str]) -> None:
+    out, _ = run
+    for cp in (1, 8):
+        s = out["small_rooms"][f"cp{cp}"]
+        assert s["cp_size"] == cp
+        assert _pos(s["p50_ms"]) and _pos(s["p99_ms"]) and s["p99_ms"] >= s["p50_ms"]
+        assert _pos(s["rooms_per_s"]) and s["latency_samples"] > 0
+
+
+def test_dedup_table_is_exact_from_the_byte_counters(run: tuple[dict[str, Any], str]) -> None:
+    out, _ = run
+    d = out["dedup"]
+    kv, st, aux = d["kv_bytes_per_room"], d["state_bytes_per_room"], d["aux_bytes_per_room"]
+    assert d["room_tokens"] == 2048 and kv > 0 and st > 0
+    for cp in (1, 2, 4, 8):
+        e = d[f"cp{cp}"]
+        assert e["rooms"] > 0
+        # with the de-dup one copy of everything crosses the wire, whatever cp is
+        assert e["wire_bytes_on"] == kv + st + aux
+        # off = what every rank would have shipped: the counters' skipped bytes are exactly (cp - 1) copies
+        assert e["state_bytes_skipped"] == (cp - 1) * st
+        assert e["wire_bytes_off"] == kv + cp * st + aux
+        if cp > 1:  # the emulated "off" run shipped the same plus (cp - 1) extra aux rows
+            assert e["off_emulated_wire_bytes"] == kv + cp * st + cp * aux
+        assert abs(e["measured_cut"] - e["analytic_cut"]) < 1e-6
+        assert e["measured_cut"] == e["analytic_cut"]  # from byte counters: exact, not approximate
+        assert _pos(e["time_ms_on"]) and _pos(e["time_ms_off"]) and _pos(e["wire_mb_on"])
+    assert d["cp1"]["measured_cut"] == 0.0
+    # the layout reproduces the production figure that motivated the de-dup
+    assert round(d["cp8"]["analytic_cut"], 4) == d["production_cut_cp8"] == 0.8497
+
+
+def test_peers_and_table(run: tuple[dict[str, Any], str]) -> None:
+    out, table = run
+    assert isinstance(out["peers"], dict)
+    if importlib.util.find_spec("mooncake") is None:
+        assert out["peers"] == {} and "not installed" in out["notes"]["peers"]
+    for name in ("memcpy", "raw pyzmq", "small rooms", "CP de-dup", "targets:", "0 mismatched bytes"):
+        assert name in table, name
+
+
+def test_deepseek_config_reproduces_the_production_cut() -> None:
+    cfg = load(ROOT / "configs" / "deepseek-cp8.toml", env={})
+    lay = cfg.receiver_layout()
+    kv = cfg.demo.pages_per_room * lay.kv_page_bytes()
+    st = sum(b.row_bytes for b in lay.buffers if b.kind == "state")
+    assert cfg.demo.pages_per_room * lay.page_size == 2048 and cfg.sender.cp_size == 8
+    assert st / kv == pytest.approx(4.198, abs=5e-3)
+    assert round(7 * st / (kv + 8 * st), 4) == 0.8497
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "transferd", "bench", "--quick", "--plot", str(tmp_path / "x.png")],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "matplotlib" in proc.stderr and not (tmp_path / "x.png").exists()
