@@ -48,6 +48,7 @@ class DemoRoom:
     state_src: list[dict[str, np.ndarray]]
     aux_dst: int
     aux_src: list[int]
+    prefix_before: list[np.ndarray] = field(default_factory=list)  # per KV buffer: the prefix rows as held
     status: str = ""
     code: str = ""
     reason: str = ""
@@ -199,7 +200,7 @@ def _make_room(i: int, cfg: Config, rng: np.random.Generator, dec: dict[str, _Al
     )
 
 
-def _verify(room: DemoRoom, cfg: Config, dpool: Pool, spools: list[Pool], snapshot: list[np.ndarray]) -> int:
+def _verify(room: DemoRoom, cfg: Config, dpool: Pool, spools: list[Pool]) -> int:
     """Mismatched bytes of one successful room, against the policy's owner of every row."""
     layout = dpool.layout
     plans = group_plans(layout, cfg.sender.cp_size, cfg.split, room.n, room.prefix)
@@ -220,9 +221,8 @@ def _verify(room: DemoRoom, cfg: Config, dpool: Pool, spools: list[Pool], snapsh
             a = layout.aux_index
             bad += int(np.count_nonzero(dpool.rows[a][room.aux_dst] != spools[r].rows[a][room.aux_src[r]]))
     # prefix positions are held by the decode side already: they must be untouched
-    for b in layout.indices("kv"):
-        pre = room.dst[:room.prefix]
-        bad += int(np.count_nonzero(dpool.rows[b][pre] != snapshot[b][pre]))
+    for b, before in zip(layout.indices("kv"), room.prefix_before):
+        bad += int(np.count_nonzero(dpool.rows[b][room.dst[:room.prefix]] != before))
     return bad
 
 
@@ -358,10 +358,16 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
     fault_batch = n_batches // 2 if process_faults else -1
     timers: list[threading.Timer] = []
     done = 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=d.rooms, unit="room", desc="transferd demo", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())  # a bar on a terminal only
     try:
         for bi in range(n_batches):
             batch = [_make_room(done + i, cfg, rng, dec, src, comps, spools)
                      for i in range(min(d.in_flight, d.rooms - done))]
+            for room in batch:  # what the decode side holds in the prefix rows (earlier rooms wrote there)
+                room.prefix_before = [dpool.rows[b][room.dst[:room.prefix]].copy() for b in layout.indices("kv")]
             for i, room in enumerate(batch):
                 early = i % 2 == 1  # the prefill engine is sometimes ahead of the decode side
                 if early:
@@ -383,7 +389,7 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
             for room in batch:
                 _settle(room, engines, cfg, launcher)
                 if room.status == "success":
-                    room.mismatched = _verify(room, cfg, dpool, spools, snapshot)
+                    room.mismatched = _verify(room, cfg, dpool, spools)
                     summary.rooms_ok += 1
                     if room.mismatched:
                         summary.corrupted_rooms += 1
@@ -396,6 +402,7 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
                         summary.recovered = False
                 if fault_batch >= 0 and bi > fault_batch:
                     summary.rooms_after_fault += 1
+                bar.update(1)
                 summary.mismatched_bytes += room.mismatched
                 _account_expected(summary, room, layout)
                 _mark(touched, room, layout)
@@ -428,6 +435,7 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
             summary.state_bytes_skipped += st["state_bytes_skipped"]
             summary.same_host_bytes += st["shm_bytes"]
     finally:
+        bar.close()
         for t in timers:
             t.cancel()
         engines.close()

@@ -120,3 +120,16 @@ def test_launch_starts_a_working_pair_and_stops_cleanly_on_sigterm(tmp_path: Pat
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_demo_many_batches_reusing_rows(tmp_path: Path) -> None:
+    """Rows go back to the free lists after every batch; prefix rows then hold an earlier room's
+    bytes, which must be left exactly as they were (a demo bug once compared them with the pool's
+    first contents)."""
+    out = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--rooms", "48", "--in-flight", "3",
+                           "--json", str(out)], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["rooms_ok"] == 48 and s["mismatched_bytes"] == 0 and s["corrupted_rooms"] == 0
