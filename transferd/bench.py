@@ -797,19 +797,29 @@ class _Bench:
     def run_rounds(self) -> None:
         self._wait_raw_ready()
         subjects = self.subjects()
-        # one discarded pass: page-table faults of every daemon's first touch of its pool, TCP
-        # slow start and lazy imports belong to no round (the bench's own mappings are already warm)
-        for i, (name, fn) in enumerate(subjects):
-            self.say(f"warm-up: {name} ({i + 1}/{len(subjects)})")
-            fn()
-        self.latencies = {cp: [] for cp in SMALL_CPS}
-        order = random.Random(20240)
-        for k in range(self.plan.repeats):
-            todo = subjects[:]
-            order.shuffle(todo)
-            for i, (name, fn) in enumerate(todo):
-                self.say(f"round {k + 1}/{self.plan.repeats}: {name} ({i + 1}/{len(todo)})")
-                self.results.setdefault(name, []).append(fn())
+        from tqdm import tqdm
+
+        # a bar on a terminal only (the table and the JSON never mix with it)
+        bar = tqdm(total=len(subjects) * (1 + self.plan.repeats), unit="step", desc="transferd bench",
+                   file=sys.stderr, leave=False, disable=not self.progress)
+        try:
+            # one discarded pass: page-table faults of every daemon's first touch of its pool, TCP
+            # slow start and lazy imports belong to no round (the bench's own mappings are already warm)
+            for name, fn in subjects:
+                bar.set_postfix_str(f"warm-up {name}", refresh=False)
+                fn()
+                bar.update(1)
+            self.latencies = {cp: [] for cp in SMALL_CPS}
+            order = random.Random(20240)
+            for k in range(self.plan.repeats):
+                todo = subjects[:]
+                order.shuffle(todo)
+                for name, fn in todo:
+                    bar.set_postfix_str(f"round {k + 1}/{self.plan.repeats} {name}", refresh=False)
+                    self.results.setdefault(name, []).append(fn())
+                    bar.update(1)
+        finally:
+            bar.close()
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:

@@ -243,3 +243,21 @@ def test_config_check_and_precedence_on_the_command_line(tmp_path: Path) -> None
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+def test_json_logs_carry_room_and_peer_ids(cluster: Cluster) -> None:
+    ep, dc, dpool = cluster.receiver()
+    cfg = cluster.write_config("jsonlog", {"log_format": "json", "log_level": "info", "sender": {
+        "group": "pj", "cp_size": 1, "receivers": [ep], "pool": f"{cluster.tag}-pj-r{{rank}}", "kv_pages": 64,
+        "metrics_bind": "", "same_host": "off"}})
+    proc = cluster._spawn("sender-pj-r0", ["sender"], cfg)
+    from transferd.client import PrefillClient
+
+    pc = PrefillClient(proc.cfg.sender_engine_socket(0), timeout_s=20)
+    cluster.clients.append(pc)
+    cluster.until(lambda: pc.status()["receivers"][0]["state"] == "registered", "registration")
+    pc.abort(4242, "engine gave up")  # a room-level event on the sender
+    lines = [json.loads(line) for line in proc.log.read_text().splitlines() if line.strip()]
+    assert lines and all({"ts", "level", "logger", "msg", "pid"} <= set(x) for x in lines)
+    assert any("registered with receiver decode0" in x["msg"] for x in lines)
+    assert any("room 4242 failed (aborted)" in x["msg"] for x in lines)
