@@ -150,7 +150,7 @@ class AgentBase:
         async def run() -> T:
             out = fn(*args)
             if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
-                return await out  # type: ignore[no-any-return]
+                return await out
             return out
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)

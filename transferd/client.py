@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence, Union
 
 import msgpack
+import numpy as np
 import zmq
 
 from .errors import ClientTimeout, error_from_code
@@ -21,7 +22,11 @@ from .protocol.room import RoomState, RoomStatus
 __all__ = ["DecodeClient", "PrefillClient", "RoomState", "RoomStatus"]
 
 
-def _pages(v: Sequence[int] | Any) -> list[int]:
+Rows = Union[Sequence[int], np.ndarray]
+"""Page or slot indices: a list, a range or a numpy integer array."""
+
+
+def _pages(v: Rows) -> list[int]:
     return [int(x) for x in (v.tolist() if hasattr(v, "tolist") else v)]
 
 
@@ -70,20 +75,20 @@ class _Client:
         self.close()
 
     def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.call("ping", timeout_s)  # type: ignore[no-any-return]
+        return self.call("ping", timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return self.call("stats")  # type: ignore[no-any-return]
+        return self.call("stats")
 
     def status(self) -> dict[str, Any]:
-        return self.call("status")  # type: ignore[no-any-return]
+        return self.call("status")
 
 
 class PrefillClient(_Client):
     """Prefill engine, one CP rank: submit a room's chunks, then poll or wait for its outcome."""
 
-    def submit(self, room: int, start: int, src_pages: Sequence[int], *, last: bool = False,
-               state: dict[str, Sequence[int]] | None = None, aux_slot: int | None = None) -> RoomStatus:
+    def submit(self, room: int, start: int, src_pages: Rows, *, last: bool = False,
+               state: Mapping[str, Rows] | None = None, aux_slot: int | None = None) -> RoomStatus:
         args: dict[str, Any] = {"room": room, "start": start, "src_pages": _pages(src_pages), "last": last}
         if state:
             args["state"] = {k: _pages(v) for k, v in state.items()}
@@ -105,8 +110,8 @@ class PrefillClient(_Client):
 class DecodeClient(_Client):
     """Decode engine: expect a room from a prefill group, poll or wait, abort, release."""
 
-    def expect(self, room: int, group: str, dst_pages: Sequence[int], *, aux_slot: int, prefix_pages: int = 0,
-               state: dict[str, Sequence[int]] | None = None) -> RoomStatus:
+    def expect(self, room: int, group: str, dst_pages: Rows, *, aux_slot: int, prefix_pages: int = 0,
+               state: Mapping[str, Rows] | None = None) -> RoomStatus:
         args: dict[str, Any] = {"room": room, "group": group, "dst_pages": _pages(dst_pages),
                                 "prefix_pages": prefix_pages, "aux_slot": int(aux_slot)}
         if state:

@@ -204,45 +204,44 @@ class Config:
             if not NAME_RE.match(name):
                 raise ConfigError(f"{what} {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
         checksum_function(s.checksum)
-        for what, v in (("sender.same_host", s.same_host), ("receiver.same_host", self.receiver.same_host)):
-            if v not in ("auto", "off"):
-                raise ConfigError(f"{what} must be 'auto' or 'off', not {v!r}")
-        for what, v in (("receiver.stall_timeout_s", self.receiver.stall_timeout_s),
-                        ("receiver.bootstrap_timeout_s", self.receiver.bootstrap_timeout_s),
-                        ("receiver.waiting_timeout_s", self.receiver.waiting_timeout_s),
-                        ("sender.assign_timeout_s", s.assign_timeout_s)):
-            if v <= 0:
-                raise ConfigError(f"{what} must be > 0, not {v}")
-        r = self.receiver
+        r, f = self.receiver, self.faults
+        for what, mode in (("sender.same_host", s.same_host), ("receiver.same_host", r.same_host)):
+            if mode not in ("auto", "off"):
+                raise ConfigError(f"{what} must be 'auto' or 'off', not {mode!r}")
+        _at_least(0, True, r.stall_timeout_s, "receiver.stall_timeout_s", r.bootstrap_timeout_s,
+                  "receiver.bootstrap_timeout_s", r.waiting_timeout_s, "receiver.waiting_timeout_s",
+                  s.assign_timeout_s, "sender.assign_timeout_s", r.heartbeat_interval_s,
+                  "receiver.heartbeat_interval_s", s.heartbeat_interval_s, "sender.heartbeat_interval_s")
+        _at_least(0, False, r.drain_timeout_s, "receiver.drain_timeout_s", s.drain_timeout_s,
+                  "sender.drain_timeout_s", f.slow_receiver_ms, "faults.slow_receiver_ms")
         check_endpoint(r.bind, "receiver.bind", bind=True)
         for i, ep in enumerate(s.receivers):
             check_endpoint(ep, f"sender.receivers[{i}]", bind=False)
-        for what, v in (("receiver.metrics_bind", r.metrics_bind), ("sender.metrics_bind", s.metrics_bind)):
-            if v:
-                parse_hostport(v, what)
+        for what, hostport in (("receiver.metrics_bind", r.metrics_bind), ("sender.metrics_bind", s.metrics_bind)):
+            if hostport:
+                parse_hostport(hostport, what)
         if bool(r.curve_secret_key) != bool(r.curve_allow_dir):
             raise ConfigError("receiver.curve_secret_key and receiver.curve_allow_dir go together "
                               "(the key pair encrypts, the directory lists the senders allowed in)")
         if bool(s.curve_secret_key) != bool(s.curve_server_key):
             raise ConfigError("sender.curve_secret_key and sender.curve_server_key go together")
-        for what, v in (("receiver.drain_timeout_s", r.drain_timeout_s), ("sender.drain_timeout_s", s.drain_timeout_s)):
-            if v < 0:
-                raise ConfigError(f"{what} must be >= 0, not {v}")
-        f = self.faults
-        if not (0 <= f.drop_frames <= 1 and 0 <= f.corrupt_frames <= 1 and f.slow_receiver_ms >= 0):
-            raise ConfigError(f"faults: drop_frames and corrupt_frames must lie in [0, 1] and slow_receiver_ms "
-                              f"be >= 0 (got {f.drop_frames}, {f.corrupt_frames}, {f.slow_receiver_ms})")
-        if self.receiver.max_frame_bytes < s.max_message_bytes:
-            raise ConfigError(f"receiver.max_frame_bytes ({self.receiver.max_frame_bytes}) is below "
+        if not (0 <= f.drop_frames <= 1 and 0 <= f.corrupt_frames <= 1):
+            raise ConfigError(f"faults: drop_frames and corrupt_frames must lie in [0, 1] "
+                              f"(got {f.drop_frames}, {f.corrupt_frames})")
+        if r.max_frame_bytes < s.max_message_bytes:
+            raise ConfigError(f"receiver.max_frame_bytes ({r.max_frame_bytes}) is below "
                               f"sender.max_message_bytes ({s.max_message_bytes})")
-        for what, v in (("receiver.heartbeat_interval_s", self.receiver.heartbeat_interval_s),
-                        ("sender.heartbeat_interval_s", s.heartbeat_interval_s)):
-            if v <= 0:
-                raise ConfigError(f"{what} must be > 0, not {v}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
         self.receiver_layout()
         self.sender_layout()
+
+
+def _at_least(lo: float, strict: bool, *pairs: Any) -> None:
+    """``pairs`` = value, name, value, name, …: each must be > lo (strict) or >= lo."""
+    for value, what in zip(pairs[::2], pairs[1::2]):
+        if value < lo or (strict and value == lo):
+            raise ConfigError(f"{what} must be {'>' if strict else '>='} {lo}, not {value}")
 
 
 _ENDPOINT_RE = re.compile(r"^(tcp)://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+|\*):(\*|\d+)$")
@@ -383,11 +382,13 @@ def from_mapping(data: Mapping[str, Any], source: str = "<mapping>", env: Mappin
         elif key in _SECTIONS:
             if not isinstance(value, dict):
                 raise ConfigError(f"[{key}] in {source} must be a table")
-            cfg = replace(cfg, **{key: _section(_SECTIONS[key], value, key, source, getattr(cfg, key))})
+            changes: dict[str, Any] = {key: _section(_SECTIONS[key], value, key, source, getattr(cfg, key))}
+            cfg = replace(cfg, **changes)
         elif key in _TOP:
             if not isinstance(value, str):
                 raise ConfigError(f"{key} in {source} must be a string")
-            cfg = replace(cfg, **{key: value})
+            top: dict[str, Any] = {key: value}
+            cfg = replace(cfg, **top)
         else:
             raise ConfigError(f"unknown key {key!r} in {source} (known: model, receiver, sender, demo, "
                               f"{', '.join(sorted(_TOP))})")
@@ -405,7 +406,8 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
             continue
         rest = name[len("TRANSFERD_"):].lower()
         if rest in _TOP:
-            cfg = replace(cfg, **{rest: value})
+            top: dict[str, Any] = {rest: value}
+            cfg = replace(cfg, **top)
             continue
         section, _, key = rest.partition("_")
         if section not in _SECTIONS or not key:

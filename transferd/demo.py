@@ -31,7 +31,6 @@ from .launcher import Launcher
 from .layout import KINDS
 from .pool import Pool
 from .protocol.policy import group_plans
-from .protocol.room import RoomState
 
 log = logging.getLogger(__name__)
 
@@ -430,8 +429,8 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
         summary.refused = dict(rx["refused"])
         for pc in engines.pcs:
             st = pc.stats()
-            for k in KINDS:
-                summary.wire_bytes[k] += st["bytes"][k]
+            for kind in KINDS:
+                summary.wire_bytes[kind] += st["bytes"][kind]
             summary.state_bytes_skipped += st["state_bytes_skipped"]
             summary.same_host_bytes += st["shm_bytes"]
     finally:

@@ -12,13 +12,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
 from .client import DecodeClient, PrefillClient
 from .config import Config
 from .errors import ClientTimeout, TransferdError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def die_with_parent() -> None:
@@ -121,7 +122,7 @@ class Launcher:
         finally:
             dc.close()
 
-    def _await(self, fn, child: Child, deadline: float):  # type: ignore[no-untyped-def]
+    def _await(self, fn: Callable[[], T], child: Child, deadline: float) -> T:
         while True:
             try:
                 return fn()

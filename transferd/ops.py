@@ -38,13 +38,12 @@ def config_check(paths: list[str], as_json: bool = False) -> int:
                         print(f"    {k} = {_short(v)}")
                 else:
                     print(f"  {section} = {_short(value)}")
-            r, s = cfg.receiver, cfg.sender
+            s = cfg.sender
             layout = cfg.receiver_layout()
             print(f"  # layout {layout.fingerprint()}: {len(layout.indices('kv'))} KV buffers, "
                   f"{len(layout.indices('state'))} state buffers; {layout.kv_page_bytes()} KV bytes per page")
             print(f"  # receiver engine socket {cfg.receiver_engine_socket()}, pool {cfg.receiver_pool_name()}; "
                   f"sender rank {s.cp_rank} engine socket {cfg.sender_engine_socket()}, pool {cfg.sender_pool_name()}")
-            del r
     return 2 if bad else 0
 
 

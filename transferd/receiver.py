@@ -204,7 +204,7 @@ class Receiver(AgentBase):
     # -- sending -------------------------------------------------------------------------
     def _send(self, ident: bytes, msg: Any) -> None:
         def dropped(exc: BaseException) -> None:
-            err = zmq.strerror(exc.errno) if isinstance(exc, zmq.ZMQError) else type(exc).__name__
+            err = zmq.strerror(exc.errno or 0) if isinstance(exc, zmq.ZMQError) else type(exc).__name__
             self.acct.dropped[f"send_{err.replace(' ', '_').lower()}"] += 1
             log.warning("%s: could not send %s to %r: %s", self.name, type(msg).__name__, ident, exc)
 

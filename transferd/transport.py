@@ -7,7 +7,7 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, cast
 
 import msgpack
 import zmq
@@ -57,7 +57,7 @@ def send_nowait(sock: zmq.asyncio.Socket, frames: list[Any], on_drop: Callable[[
     ZeroMQ's edge-triggered readiness signal behind the asyncio socket's back and leave a
     pending ``recv`` asleep forever.
     """
-    fut = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    fut = cast("asyncio.Future[Any]", sock.send_multipart(frames, flags=zmq.NOBLOCK))
 
     def done(f: asyncio.Future[Any]) -> None:
         exc = None if f.cancelled() else f.exception()
@@ -70,10 +70,10 @@ def send_nowait(sock: zmq.asyncio.Socket, frames: list[Any], on_drop: Callable[[
         fut.add_done_callback(done)
 
 
-HANDSHAKE_FAILURES = {
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",  # the ZAP handler refused the key
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake",  # e.g. a plain peer against a CURVE socket
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake",
+HANDSHAKE_FAILURES: dict[int, str] = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "auth",  # the ZAP handler refused the key
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake",  # e.g. a plain peer against a CURVE socket
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake",
 }
 
 
@@ -86,7 +86,7 @@ async def watch_handshakes(sock: zmq.asyncio.Socket, on_fail: Callable[[str, str
     try:
         while True:
             ev = parse_monitor_message(await mon.recv_multipart())
-            kind = HANDSHAKE_FAILURES.get(ev["event"], "handshake")
+            kind = HANDSHAKE_FAILURES.get(int(ev["event"]), "handshake")
             on_fail(kind, f"{kind} failure on {ev['endpoint'].decode(errors='replace')} (code {ev['value']})")
     finally:
         sock.disable_monitor()

@@ -12,7 +12,6 @@ import numpy as np
 from transferd.agent import AgentThread
 from transferd.client import DecodeClient, PrefillClient
 from transferd.config import from_mapping
-from transferd.pool import Pool
 from transferd.protocol.room import RoomState
 from transferd.receiver import Receiver
 from transferd.sender import SenderAgent

@@ -14,7 +14,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -21,5 +21,5 @@ def checksum_function(name: str) -> Callable[[Any], int] | None:
             import xxhash
         except ImportError:
             raise ConfigError("checksum 'xxh3' needs the xxhash package (pip install xxhash)") from None
-        return xxhash.xxh3_64_intdigest  # type: ignore[no-any-return]
+        return xxhash.xxh3_64_intdigest
     raise ConfigError(f"checksum must be one of {', '.join(ALGORITHMS)}, not {name!r}")

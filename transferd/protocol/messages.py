@@ -351,8 +351,8 @@ def decode_header(frame: bytes | memoryview) -> Message:
         raise DecodeError(f"unknown message type {t!r}")
     v = obj.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
-        exc = VersionMismatch(f"{t}: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}")
-        exc.msg_type = t
-        raise exc
+        mismatch = VersionMismatch(f"{t}: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}")
+        mismatch.msg_type = str(t)
+        raise mismatch
     msg: Message = cls.parse(obj)
     return msg
