@@ -79,6 +79,9 @@ def test_status_command_shows_ranks_rooms_and_throughput(cluster: Cluster) -> No
     pcs, spools = cluster.group("prefill0", 2, [ep])
     r = make_room(7, "prefill0", 6, 2, spools=spools)
     expect(dc, r)
+    # the engine socket is private to its user, in a private directory
+    sock_path = Path(dc.endpoint[len("ipc://"):])
+    assert sock_path.stat().st_mode & 0o777 == 0o600 and sock_path.parent.stat().st_mode & 0o777 == 0o700
     cfg_r = cluster.tmp / "receiver-decode0.toml"
     cfg_s = cluster.tmp / "sender-prefill0-r1.toml"
     run = lambda *a: subprocess.run([sys.executable, "-m", "transferd", "status", *a], cwd=ROOT, env=_env(),
