@@ -41,7 +41,7 @@ class AgentBase:
         self.ctx: zmq.asyncio.Context | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.started = threading.Event()
         self.ready: asyncio.Event | None = None  # set when bound (receiver) / registered (sender)
         self.draining = False
@@ -72,10 +72,11 @@ class AgentBase:
         task = asyncio.ensure_future(coro)
         task.set_name(f"{self.name}:{what}")
         task.add_done_callback(self._task_done)
-        self._tasks.append(task)
+        self._tasks.add(task)
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
         if task.cancelled():
             return
         exc = task.exception()
@@ -97,9 +98,10 @@ class AgentBase:
             await self._stop_event.wait()
         finally:
             sd_notify("STOPPING=1")
-            for t in self._tasks:
+            tasks = list(self._tasks)
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._close()
             self.metrics.close()
             self.ctx.destroy(linger=0)

@@ -84,7 +84,7 @@ class SendRoom:
     next_start: int = 0
     last_submitted: bool = False
     sending: bool = False
-    planned: int = 0  # bytes this rank sends for the room (known once assigned)
+    planned: tuple[int, int, int] = (0, 0, 0)  # kv, state, aux bytes this rank sends (known once assigned)
     sent: int = 0
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
@@ -299,9 +299,10 @@ class SenderAgent(AgentBase):
             return
         room.conn, room.assign = conn, msg
         room.plan = plan = rank_plan(self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix)
-        room.planned = (plan.kv_positions * sum(self.layout.buffers[b].row_bytes for b in plan.kv_buffers)
-                        + sum(len(msg.state.get(self.layout.buffers[b].component, ())) * self.layout.buffers[b].row_bytes
-                              for b in plan.state_buffers) + (self.layout.aux_row_bytes if plan.aux else 0))
+        rows = self.layout.buffers
+        room.planned = (plan.kv_positions * sum(rows[b].row_bytes for b in plan.kv_buffers),
+                        sum(len(msg.state.get(rows[b].component, ())) * rows[b].row_bytes for b in plan.state_buffers),
+                        self.layout.aux_row_bytes if plan.aux else 0)
         room.dst = np.asarray(msg.dst_pages, dtype=np.int64)
         room.status = advance(room.status, RoomStatus(RoomState.WAITING))
         if room.last_submitted and room.next_start != msg.n_pages:
@@ -428,7 +429,6 @@ class SenderAgent(AgentBase):
             self._fail(room, "send_error", f"{self.name} could not send: {exc}")
         finally:
             room.sending = False
-            self._tasks = [t for t in self._tasks if not t.done()]
         self._pump(room)
 
     def _check_chunk(self, room: SendRoom, chunk: Chunk) -> str | None:
@@ -516,10 +516,7 @@ class SenderAgent(AgentBase):
             await self._send(room, 2, self.layout.aux_index, 0, 1, chunk.aux_slot)
         if room.status.state.terminal:
             return
-        kv = plan.kv_positions * sum(self.layout.buffers[b].row_bytes for b in plan.kv_buffers)
-        st = sum(len(a.state.get(self.layout.buffers[b].component, ())) * self.layout.buffers[b].row_bytes
-                 for b in plan.state_buffers)
-        await room.conn.sock.send(encode(Done(a.tok, self.rank, kv, st, self.layout.aux_row_bytes if plan.aux else 0)))
+        await room.conn.sock.send(encode(Done(a.tok, self.rank, *room.planned)))
 
     # -- engine API ----------------------------------------------------------------------
     def submit(self, room_id: int, start: int, src_pages: tuple[int, ...], *, last: bool = False,
@@ -628,7 +625,7 @@ class SenderAgent(AgentBase):
         for r in rooms:
             live[r.status.state.value] = live.get(r.status.state.value, 0) + 1
             if r.status.state is RoomState.TRANSFERRING:
-                in_flight += max(0, r.planned - r.sent)
+                in_flight += max(0, sum(r.planned) - r.sent)
         out = self.acct.snapshot()
         out.update(role="sender", live=live, in_flight=in_flight,
                    registered={self.group: sum(1 for c in self.conns if c.state == "registered")},
