@@ -49,6 +49,10 @@ def _sender_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="transferd", description="Move KV cache and request state from prefill "
                                  "CP ranks to decode workers.")
+    from . import __version__
+    from .protocol.messages import PROTOCOL_VERSION
+
+    ap.add_argument("--version", action="version", version=f"transferd {__version__} (protocol {PROTOCOL_VERSION})")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("receiver", help="run the decode-side receiver")

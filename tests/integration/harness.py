@@ -21,6 +21,8 @@ from transferd.errors import ClientTimeout
 from transferd.launcher import die_with_parent
 from transferd.pool import Pool
 
+POLL_S = 0.02  # between polls of a condition, always under a deadline (Cluster.until)
+
 MODEL = {
     "name": "test-hybrid", "dtype": "bf16", "page_size": 4, "kv_layers": 3, "kv_format": "mha",
     "kv_token_elems": 64, "aux_row_bytes": 48,
@@ -182,7 +184,7 @@ class Cluster:
                 raise AssertionError(f"{proc.label} exited with {proc.proc.returncode}:\n{proc.log.read_text()}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what}\n" + self.logs())
-            time.sleep(0.02)
+            time.sleep(POLL_S)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.label} ---\n{p.log.read_text(errors='replace')[-3000:]}" for p in self.procs)

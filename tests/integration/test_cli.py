@@ -18,6 +18,8 @@ from transferd.config import load
 from transferd.errors import ClientTimeout
 from transferd.protocol.room import RoomState
 
+from .harness import POLL_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,7 +90,7 @@ def test_launch_starts_a_working_pair_and_stops_cleanly_on_sigterm(tmp_path: Pat
                 pass
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "launch did not come up"
-            time.sleep(0.05)
+            time.sleep(POLL_S)  # polling under the deadline above
         pids = [int(r["pid"]) for r in groups["prefill0"]["ranks"].values()] + [dc.status()["pid"]]
         # one room through the launched daemons
         pcs = [PrefillClient(cfg.sender_engine_socket(r), timeout_s=20) for r in range(2)]

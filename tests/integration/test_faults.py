@@ -20,6 +20,7 @@ from .harness import Cluster, fill_random
 from .rooms import expect, make_room, mismatches, submit_all
 
 ROOT = Path(__file__).resolve().parents[2]
+SAMPLE_S = 0.05
 FAST = {"heartbeat_interval_s": 0.2, "heartbeat_misses": 5}  # a peer is lost after 1 s of silence
 DEADLINE_SLACK_S = 6.0  # generous for a loaded 2-core machine; the clock itself is 1 s
 
@@ -191,7 +192,7 @@ def test_backpressure_bounds_memory_under_a_slow_receiver(cluster: Cluster) -> N
         assert not dc.poll(60, "prefill0").state.terminal, dc.poll(60, "prefill0")
         for pid in peak:
             peak[pid] = max(peak[pid], _rss_anon(pid))
-        time.sleep(0.05)  # sampling interval, not a wait for an event
+        time.sleep(SAMPLE_S)  # sampling interval, not a wait for an event
     growth = {pid: peak[pid] - base[pid] for pid in peak}
     assert growth[rx_pid] < 96 << 20, f"receiver grew {growth[rx_pid] >> 20} MiB"
     assert growth[tx_pid] < 96 << 20, f"sender grew {growth[tx_pid] >> 20} MiB"
