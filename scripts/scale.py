@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How transferd's cost grows with the work: cp_size × rooms in flight, and two prefill groups.
 
-    python scripts/scale.py                      # the full table (~2–4 min on 2 cores), from the repo root
-    python scripts/scale.py --quick              # a subset in under a minute
+    python scripts/scale.py                      # the full table (~90 s on 2 cores), from the repo root
+    python scripts/scale.py --quick              # cp 1, 8 × 1, 64 rooms + the two groups (~20 s)
     python scripts/scale.py --json scale.json    # also write the numbers ("-": JSON on stdout, table on stderr)
 
 Real daemons (``python -m transferd receiver|sender``) over TCP loopback, the same-host path off
@@ -230,10 +230,9 @@ class Phase:
         warm = self.one_pass(k, waves)
         with _RssPeak(self.rx_pid) as rss:
             runs = [self.one_pass(k, waves) for _ in range(self.repeats)]
-        cps = sorted({g.cp for g in self.groups})
         all_runs = [warm] + runs
         return {
-            "cp_size": cps[0] if len(cps) == 1 else cps, "groups": len(self.groups), "rooms_per_group": k,
+            "cp_size": self.groups[0].cp, "groups": len(self.groups), "rooms_per_group": k,
             "rooms_in_flight": per_wave, "waves_per_pass": waves, "rooms_per_pass": waves * per_wave,
             "gbps": _rnd(_med([r["gbps"] for r in runs]), 3),
             "rooms_per_s": _rnd(_med([r["rooms_per_s"] for r in runs]), 1),
@@ -275,9 +274,7 @@ def format_table(out: dict[str, Any]) -> str:
              "| rx VmRSS MiB (peak) | rx RssAnon MiB (peak) | rooms ok | verified rooms / mismatched B |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in out["rows"]:
-        cp = r["cp_size"] if isinstance(r["cp_size"], int) else "+".join(map(str, r["cp_size"]))
-        if r["groups"] > 1:
-            cp = " + ".join([str(r["cp_size"] if isinstance(r["cp_size"], int) else r["cp_size"][0])] * r["groups"])
+        cp = " + ".join([str(r["cp_size"])] * r["groups"])  # two groups of cp 2: "2 + 2"
         inflight = (f"{r['groups']} × {r['rooms_per_group']}" if r["groups"] > 1 else str(r["rooms_in_flight"]))
         lines.append(
             f"| {cp} | {r['groups']} | {inflight} | {r['rooms_per_pass']} | {_f(r['gbps'], '{:.2f}')} | "
@@ -344,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, groups, ks in phases:
             ph = Phase(name, groups, max(ks), run_dir / name, f"{tag}-{name}", args.repeats)
+            bad = False
             try:
                 ph.start()
                 assert ph.c is not None
@@ -361,12 +359,12 @@ def main(argv: list[str] | None = None) -> int:
                           f"{row['rooms_ok']}/{row['rooms']} ok ({time.monotonic() - t_start:.0f} s)",
                           file=sys.stderr, flush=True)
                     if not row["all_ok"] or row["mismatched_bytes"]:
-                        failed = True
-            except BaseException:
-                ph.b.dump_logs()
+                        bad = failed = True
+            except Exception:
+                bad = True
                 raise
             finally:
-                if failed:
+                if bad:  # the daemons' last log lines
                     ph.b.dump_logs()
                 codes.update({f"{name}/{k}": v for k, v in ph.close().items()})
     except KeyboardInterrupt:

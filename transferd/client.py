@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from .errors import ClientTimeout, error_from_code
+from .errors import ClientTimeout, TransferdError, error_from_code
 from .protocol.room import RoomState, RoomStatus
 
 __all__ = ["DecodeClient", "PrefillClient", "RoomState", "RoomStatus"]
@@ -58,6 +58,14 @@ class _Client:
         if not reply.get("ok"):
             raise error_from_code(reply.get("code", "error"), reply.get("error", "unknown error"))
         return reply.get("result")
+
+    def batch(self, calls: list[dict[str, Any]], reply_timeout_s: float | None = None) -> list[Any]:
+        """Many requests in one round trip (``[{"op": "expect", ...}, ...]``): a list holding, per
+        call, its result or the :class:`TransferdError` it raised (returned, not raised)."""
+        out = []
+        for r in self.call("batch", reply_timeout_s, calls=calls):
+            out.append(r["result"] if r.get("ok") else error_from_code(r.get("code", "error"), r.get("error", "")))
+        return out
 
     def _reset(self) -> None:
         self._sock.close(linger=0)
@@ -106,6 +114,23 @@ class PrefillClient(_Client):
     def abort(self, room: int, reason: str = "") -> RoomStatus:
         return RoomStatus.from_wire(self.call("abort", room=room, reason=reason))
 
+    def submit_many(self, chunks: list[dict[str, Any]]) -> list[RoomStatus | TransferdError]:
+        """Several :meth:`submit` calls (each a dict of its keyword arguments) in one round trip."""
+        calls = []
+        for c in chunks:
+            call: dict[str, Any] = {"op": "submit", "room": c["room"], "start": c.get("start", 0),
+                                    "src_pages": _pages(c["src_pages"]), "last": bool(c.get("last", False))}
+            if c.get("state"):
+                call["state"] = {k: _pages(v) for k, v in c["state"].items()}
+            if c.get("aux_slot") is not None:
+                call["aux_slot"] = int(c["aux_slot"])
+            calls.append(call)
+        return _statuses(self.batch(calls))
+
+
+def _statuses(results: list[Any]) -> list[RoomStatus | TransferdError]:
+    return [r if isinstance(r, TransferdError) else RoomStatus.from_wire(r) for r in results]
+
 
 class DecodeClient(_Client):
     """Decode engine: expect a room from a prefill group, poll or wait, abort, release."""
@@ -130,3 +155,23 @@ class DecodeClient(_Client):
 
     def release(self, room: int, group: str) -> RoomStatus:
         return RoomStatus.from_wire(self.call("release", room=room, group=group))
+
+    def expect_many(self, rooms: list[dict[str, Any]]) -> list[RoomStatus | TransferdError]:
+        """Several :meth:`expect` calls (each a dict of its keyword arguments) in one round trip."""
+        calls = []
+        for r in rooms:
+            call: dict[str, Any] = {"op": "expect", "room": r["room"], "group": r["group"],
+                                    "dst_pages": _pages(r["dst_pages"]), "prefix_pages": r.get("prefix_pages", 0),
+                                    "aux_slot": int(r["aux_slot"])}
+            if r.get("state"):
+                call["state"] = {k: _pages(v) for k, v in r["state"].items()}
+            calls.append(call)
+        return _statuses(self.batch(calls))
+
+    def wait_many(self, rooms: list[tuple[int, str]], timeout_s: float = 60.0) -> list[RoomStatus | TransferdError]:
+        """Wait for many rooms at once: answered when every one has ended or its timeout passed."""
+        calls = [{"op": "wait", "room": room, "group": group, "timeout_s": timeout_s} for room, group in rooms]
+        return _statuses(self.batch(calls, timeout_s + self.timeout_s))
+
+    def release_many(self, rooms: list[tuple[int, str]]) -> list[RoomStatus | TransferdError]:
+        return _statuses(self.batch([{"op": "release", "room": room, "group": group} for room, group in rooms]))

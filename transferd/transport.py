@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 LOCAL_API_VERSION = 1
 MAX_LOCAL_REQUEST_BYTES = 64 * 1024 * 1024
+MAX_BATCH = 65536
 
 
 def ipc_path(endpoint: str) -> Path | None:
@@ -168,44 +169,68 @@ class LocalApiServer:
                 await self._reply(ident, {"id": None, "ok": False, "code": "decode", "error": f"malformed request: {exc}"})
                 continue
             rid = req.get("id")
-            handler = self.handlers.get(req["op"])
-            if handler is None:
-                await self._reply(ident, {"id": rid, "ok": False, "code": "bad_request",
-                                          "error": f"unknown op {req['op']!r}; known: {', '.join(sorted(self.handlers))}"})
-                continue
-            try:
-                result = handler(req)
-            except TransferdError as exc:
-                await self._reply(ident, {"id": rid, "ok": False, "code": exc.code, "error": str(exc)})
-                continue
-            except (KeyError, TypeError, ValueError, OverflowError) as exc:
-                self.refused += 1
-                await self._reply(ident, {"id": rid, "ok": False, "code": "bad_request",
-                                          "error": f"{req['op']}: bad arguments: {type(exc).__name__}: {exc}"})
-                continue
-            except Exception as exc:  # a bug in one request must not take the daemon down
-                log.exception("%s: engine request %r failed", self.name, req.get("op"))
-                await self._reply(ident, {"id": rid, "ok": False, "code": "internal",
-                                          "error": f"{req['op']}: internal error: {type(exc).__name__}: {exc}"})
-                continue
-            if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-                t = asyncio.ensure_future(self._finish(ident, rid, result))
+            if req["op"] == "batch":
+                outcome = self._batch(req)
+            else:
+                outcome = self._dispatch(req)
+            if isinstance(outcome, dict):
+                await self._reply(ident, {"id": rid, **outcome})
+            else:  # an awaitable (wait, or a batch holding one): answered when it finishes
+                t = asyncio.ensure_future(self._finish(ident, rid, outcome))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
-            else:
-                await self._reply(ident, {"id": rid, "ok": True, "result": result})
 
-    async def _finish(self, ident: bytes, rid: Any, aw: Awaitable[Any]) -> None:
+    def _dispatch(self, req: dict[str, Any]) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        """Run one request: a reply body (``ok`` and ``result``, or ``code`` and ``error``), or an
+        awaitable of one. Never raises: a bug in one request must not take the daemon down."""
+        op = req.get("op")
+        handler = self.handlers.get(op) if isinstance(op, str) else None
+        if handler is None or not isinstance(op, str):
+            return {"ok": False, "code": "bad_request",
+                    "error": f"unknown op {op!r}; known: batch, {', '.join(sorted(self.handlers))}"}
         try:
-            result = await aw
-        except TransferdError as exc:
-            await self._reply(ident, {"id": rid, "ok": False, "code": exc.code, "error": str(exc)})
+            result = handler(req)
         except Exception as exc:
-            log.exception("%s: engine request failed", self.name)
-            await self._reply(ident, {"id": rid, "ok": False, "code": "internal",
-                                      "error": f"internal error: {type(exc).__name__}: {exc}"})
-        else:
-            await self._reply(ident, {"id": rid, "ok": True, "result": result})
+            return self._error(op, exc)
+        if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+            return self._settle(op, result)
+        return {"ok": True, "result": result}
+
+    async def _settle(self, op: str, aw: Awaitable[Any]) -> dict[str, Any]:
+        try:
+            return {"ok": True, "result": await aw}
+        except Exception as exc:
+            return self._error(op, exc)
+
+    def _error(self, op: str, exc: Exception) -> dict[str, Any]:
+        if isinstance(exc, TransferdError):
+            return {"ok": False, "code": exc.code, "error": str(exc)}
+        if isinstance(exc, (KeyError, TypeError, ValueError, OverflowError)):
+            self.refused += 1
+            return {"ok": False, "code": "bad_request", "error": f"{op}: bad arguments: {type(exc).__name__}: {exc}"}
+        log.error("%s: engine request %r failed", self.name, op, exc_info=exc)
+        return {"ok": False, "code": "internal", "error": f"{op}: internal error: {type(exc).__name__}: {exc}"}
+
+    def _batch(self, req: dict[str, Any]) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        """``{"op": "batch", "calls": [request, …]}``: every call in order, one reply holding a
+        list of per-call replies (a batch of waits answers when the last one does)."""
+        calls = req.get("calls")
+        if not isinstance(calls, list) or len(calls) > MAX_BATCH or not all(isinstance(c, dict) for c in calls):
+            return {"ok": False, "code": "bad_request",
+                    "error": f"batch: 'calls' must be a list of at most {MAX_BATCH} request maps"}
+        outcomes = [self._dispatch(c) if c.get("op") != "batch" else
+                    {"ok": False, "code": "bad_request", "error": "batches do not nest"} for c in calls]
+        if all(isinstance(o, dict) for o in outcomes):
+            return {"ok": True, "result": outcomes}
+
+        async def gather() -> dict[str, Any]:  # the waits run concurrently, each with its own timeout
+            settled = iter(await asyncio.gather(*(o for o in outcomes if not isinstance(o, dict))))
+            return {"ok": True, "result": [o if isinstance(o, dict) else next(settled) for o in outcomes]}
+
+        return gather()
+
+    async def _finish(self, ident: bytes, rid: Any, aw: Awaitable[dict[str, Any]]) -> None:
+        await self._reply(ident, {"id": rid, **(await aw)})
 
     async def _reply(self, ident: bytes, body: dict[str, Any]) -> None:
         try:

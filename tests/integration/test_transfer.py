@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from transferd.errors import BadRequest, UnknownRoom
 from transferd.protocol.room import RoomState
 
 from .harness import Cluster, fill_random
@@ -188,3 +189,30 @@ def test_same_host_path_can_be_turned_off_on_the_receiver(cluster: Cluster) -> N
     submit_all(pcs, r)
     assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
     assert dc.stats()["shm_bytes"] == 0 and sum(dc.stats()["bytes"].values()) > 0
+
+
+def test_batched_engine_calls(cluster: Cluster) -> None:
+    ep, dc, dpool = cluster.receiver()
+    pcs, spools = cluster.group("prefill0", 2, [ep])
+    for i, p in enumerate(spools):
+        fill_random(p, 40 + i)
+    before = [rows.copy() for rows in dpool.rows]
+    rooms = [make_room(300 + k, "prefill0", 6, 2, dst_start=10 * k, src_start=10 * k, slot=k, spools=spools)
+             for k in range(8)]
+    # one bad entry fails alone: the others are expected
+    specs = [dict(room=r.room, group=r.group, dst_pages=r.dst, aux_slot=r.aux_dst, state=r.state_dst) for r in rooms]
+    specs.insert(3, dict(room=999, group="prefill0", dst_pages=[10_000], aux_slot=0))
+    out = dc.expect_many(specs)
+    assert isinstance(out[3], BadRequest) and "destination page 10000 outside" in str(out[3])
+    assert all(s.state is RoomState.WAITING for k, s in enumerate(out) if k != 3)
+    for rank, pc in enumerate(pcs):
+        res = pc.submit_many([dict(room=r.room, start=0, src_pages=r.src[rank], last=True, state=r.state_src[rank],
+                                   aux_slot=r.aux_src[rank]) for r in rooms])
+        assert not any(isinstance(x, Exception) for x in res)
+    st = dc.wait_many([(r.room, r.group) for r in rooms] + [(12345, "prefill0")], 20)
+    assert [s.state for s in st[:-1]] == [RoomState.SUCCESS] * 8 and isinstance(st[-1], UnknownRoom)
+    for r in rooms:
+        assert mismatches(r, dpool, spools, "pages", before) == 0
+    assert all(s.state is RoomState.SUCCESS for s in dc.release_many([(r.room, r.group) for r in rooms]))
+    nested = dc.batch([{"op": "batch", "calls": []}, {"op": "ping"}])
+    assert isinstance(nested[0], BadRequest) and "do not nest" in str(nested[0]) and nested[1]["name"] == "decode0"
