@@ -145,7 +145,7 @@ class Receiver(AgentBase):
             "expect": self._api_expect, "poll": self._api_poll, "wait": self._api_wait,
             "abort": self._api_abort, "release": self._api_release, "stats": lambda r: self.stats(),
             "status": lambda r: self.status(), "ping": lambda r: {"name": self.rcfg.name, "pid": os.getpid()},
-        }, self.name)
+        }, self.name, self.acct.refused)
         self.engine_endpoint = self.api.bound
         self.spawn(self._recv_loop(), "recv")
         self.spawn(self.api.run(), "engine-api")

@@ -161,7 +161,7 @@ class SenderAgent(AgentBase):
             "submit": self._api_submit, "poll": self._api_poll, "wait": self._api_wait,
             "abort": self._api_abort, "stats": lambda r: self.stats(), "status": lambda r: self.status(),
             "ping": lambda r: {"name": self.name, "pid": os.getpid()},
-        }, self.name)
+        }, self.name, self.acct.refused)
         self.engine_endpoint = self.api.bound
         self.spawn(self.api.run(), "engine-api")
         self.spawn(self._tick_loop(), "tick")

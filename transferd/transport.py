@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 import os
 import stat
 from pathlib import Path
@@ -137,7 +138,8 @@ class LocalApiServer:
     the event loop; a handler may return an awaitable (for ``wait``), answered when it finishes.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, handlers: dict[str, Handler], name: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, handlers: dict[str, Handler], name: str,
+                 refused: Counter[str] | None = None) -> None:
         self.endpoint = endpoint
         self.handlers = handlers
         self.name = name
@@ -148,14 +150,15 @@ class LocalApiServer:
         self.sock.bind(endpoint)
         restrict_ipc(endpoint)
         self.bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.refused = 0
+        self.refused: Counter[str] = refused if refused is not None else Counter()
+        """Engine requests refused, by ``engine_<code>`` (shared with the agent's accounting)."""
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def run(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
             if len(frames) != 2:
-                self.refused += 1
+                self.refused["engine_malformed"] += 1
                 log.warning("%s: engine request with %d frames refused", self.name, len(frames))
                 continue
             ident, body = frames
@@ -164,7 +167,7 @@ class LocalApiServer:
                 if not isinstance(req, dict) or not isinstance(req.get("op"), str):
                     raise TransferdError("request must be a map with a string 'op'")
             except Exception as exc:
-                self.refused += 1
+                self.refused["engine_decode"] += 1
                 log.warning("%s: malformed engine request refused: %s", self.name, exc)
                 await self._reply(ident, {"id": None, "ok": False, "code": "decode", "error": f"malformed request: {exc}"})
                 continue
@@ -186,6 +189,7 @@ class LocalApiServer:
         op = req.get("op")
         handler = self.handlers.get(op) if isinstance(op, str) else None
         if handler is None or not isinstance(op, str):
+            self.refused["engine_unknown_op"] += 1
             return {"ok": False, "code": "bad_request",
                     "error": f"unknown op {op!r}; known: batch, {', '.join(sorted(self.handlers))}"}
         try:
@@ -204,9 +208,10 @@ class LocalApiServer:
 
     def _error(self, op: str, exc: Exception) -> dict[str, Any]:
         if isinstance(exc, TransferdError):
+            self.refused[f"engine_{exc.code}"] += 1
             return {"ok": False, "code": exc.code, "error": str(exc)}
         if isinstance(exc, (KeyError, TypeError, ValueError, OverflowError)):
-            self.refused += 1
+            self.refused["engine_bad_request"] += 1
             return {"ok": False, "code": "bad_request", "error": f"{op}: bad arguments: {type(exc).__name__}: {exc}"}
         log.error("%s: engine request %r failed", self.name, op, exc_info=exc)
         return {"ok": False, "code": "internal", "error": f"{op}: internal error: {type(exc).__name__}: {exc}"}

@@ -71,6 +71,10 @@ def test_engine_requests_are_validated_before_anything_moves(cluster: Cluster) -
     for b, rows in enumerate(dpool.rows):
         assert np.array_equal(rows, before[b])
     assert dc.poll(1, "prefill0").state is RoomState.WAITING
+    # every refused engine request is counted by its code (and so visible in the metrics)
+    assert dc.stats()["refused"] == {"engine_bad_request": 6, "engine_unknown_op": 1, "engine_unknown_room": 1,
+                                     "engine_room_exists": 1}
+    assert pcs[0].stats()["refused"] == {"engine_index_out_of_range": 2, "engine_bad_request": 3}
     dc.release(1, "prefill0")
 
 
