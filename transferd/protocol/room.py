@@ -95,6 +95,15 @@ class RoomRequest:
 def _check_rows(what: str, rows: tuple[int, ...], limit: int, room: int) -> None:
     if not rows:
         return
+    if len(rows) <= 64:  # the common small case: plain Python beats numpy's set-up cost here
+        bad_rows = [r for r in rows if not 0 <= r < limit]
+        if bad_rows:
+            raise BadRequest(f"room {room}: {what} {bad_rows[0]} outside the pool's {limit} rows")
+        if len(set(rows)) != len(rows):
+            seen: set[int] = set()
+            twice = next(r for r in rows if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+            raise BadRequest(f"room {room}: {what} {twice} listed twice")
+        return
     arr = np.asarray(rows, dtype=np.int64)
     bad = arr[(arr < 0) | (arr >= limit)]
     if bad.size:
