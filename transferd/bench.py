@@ -52,6 +52,7 @@ import zmq
 from .client import DecodeClient, PrefillClient
 from .config import Config, ReceiverConfig, SenderConfig, load
 from .errors import ClientTimeout, ConfigError, TransferdError
+from .launcher import die_with_parent
 from .layout import ModelSpec, PoolLayout
 from .pool import Pool, shm_dir
 from .protocol.policy import SplitMode, contiguous_slice, group_plans
@@ -219,7 +220,7 @@ class _Daemons:
         path = self.run_dir / "logs" / f"{label}.log"
         with open(path, "ab") as out:
             p = subprocess.Popen(argv, env={**self.base_env, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         proc = _Proc(label, p, path)
         self.procs.append(proc)
         return proc
@@ -1077,7 +1078,7 @@ class _Mooncake:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from transferd.bench import mooncake_target_main as m; "
              "sys.exit(m(sys.argv[1:]))", pool.name], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self.log, start_new_session=True)
+            stderr=self.log, start_new_session=True, preexec_fn=die_with_parent)
         try:
             assert self.proc.stdout is not None
             line = self.proc.stdout.readline()
@@ -1361,6 +1362,12 @@ def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_pa
     bench = _Bench(plan, quick, run_dir, tag, progress)
     out: dict[str, Any] | None = None
     ok = False
+
+    def interrupted(signum: int, frame: Any) -> None:  # SIGTERM/SIGHUP clean up like Ctrl-C
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
     try:
         bench.start(ds_path)
         bench.say("measuring")

@@ -229,6 +229,12 @@ def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
              fault_specs: list[str] | None = None) -> int:
     t_start = time.monotonic()
     tag = f"demo{os.getpid()}"
+
+    def interrupted(signum: int, frame: Any) -> None:  # SIGTERM/SIGHUP: stop the daemons, clean up
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
     faults = [parse_fault(f, base.sender.cp_size) for f in fault_specs or []]
     with tempfile.TemporaryDirectory(prefix="transferd-demo-") as run_dir:
         env = child_env(cfg_path, base, run_dir, tag, faults)

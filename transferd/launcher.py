@@ -165,21 +165,29 @@ class Launcher:
             self._spawn(c)
         return ok
 
-    def stop(self, timeout_s: float = 10.0) -> dict[str, int | None]:
-        """SIGTERM every child (senders first), wait, then SIGKILL stragglers. Returns exit codes."""
-        for c in reversed(self.children):
-            if c.proc is not None and c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        codes: dict[str, int | None] = {}
-        for c in reversed(self.children):
-            if c.proc is None:
-                continue
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.error("%s did not stop within %.0fs; killing it", c.label, timeout_s)
-                c.proc.kill()
-                c.proc.wait()
-            codes[c.label] = c.proc.returncode
-        return codes
+    def stop(self, timeout_s: float = 10.0, drain_s: float = 3.0) -> dict[str, int | None]:
+        """SIGTERM every child (senders first): each drains its rooms in flight; after ``drain_s``
+        a second SIGTERM stops the rest at once (rooms left fail with "shutting down"); after
+        ``timeout_s`` stragglers are killed. Returns the exit codes."""
+        live = [c for c in reversed(self.children) if c.proc is not None and c.proc.poll() is None]
+        for c in live:
+            assert c.proc is not None
+            c.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        second = False
+        while any(c.proc is not None and c.proc.poll() is None for c in live):
+            elapsed = time.monotonic() - start
+            if elapsed > drain_s and not second:
+                second = True
+                for c in live:
+                    if c.proc is not None and c.proc.poll() is None:
+                        c.proc.send_signal(signal.SIGTERM)
+            if elapsed > timeout_s:
+                for c in live:
+                    if c.proc is not None and c.proc.poll() is None:
+                        log.error("%s did not stop within %.0fs; killing it", c.label, timeout_s)
+                        c.proc.kill()
+                        c.proc.wait()
+                break
+            time.sleep(0.02)
+        return {c.label: c.proc.returncode for c in reversed(self.children) if c.proc is not None}
