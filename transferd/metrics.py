@@ -60,21 +60,12 @@ class _AgentCollector(Collector):
         for reason, n in snap["failures"].items():
             c.add_metric(["failed", reason], n)
         yield c
-        c = CounterMetricFamily("transferd_refused_messages", "Messages or requests refused, by reason",
-                                labels=["reason"])
-        for reason, n in snap["refused"].items():
-            c.add_metric([reason], n)
-        yield c
-        c = CounterMetricFamily("transferd_dropped_messages", "Messages dropped (late frames after a room "
-                                "ended, full pipes, injected faults), by reason", labels=["reason"])
-        for reason, n in snap["dropped"].items():
-            c.add_metric([reason], n)
-        yield c
-        c = CounterMetricFamily("transferd_heartbeat_misses", "Peers given up after missing their heartbeats",
-                                labels=["peer"])
-        for peer, n in snap["heartbeat_misses"].items():
-            c.add_metric([peer], n)
-        yield c
+        yield _by_label("transferd_refused_messages", "Messages or requests refused, by reason", "reason",
+                        snap["refused"])
+        yield _by_label("transferd_dropped_messages", "Messages dropped (late frames after a room ended, full "
+                        "pipes, injected faults), by reason", "reason", snap["dropped"])
+        yield _by_label("transferd_heartbeat_misses", "Peers given up after missing their heartbeats", "peer",
+                        snap["heartbeat_misses"])
         g = GaugeMetricFamily("transferd_rooms_live", "Rooms not yet ended, by state", labels=["state"])
         for state, n in snap["live"].items():
             g.add_metric([state], n)
@@ -87,6 +78,13 @@ class _AgentCollector(Collector):
         for group, n in snap["registered"].items():
             g.add_metric([group], n)
         yield g
+
+
+def _by_label(name: str, doc: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in counts.items():
+        family.add_metric([key], n)
+    return family
 
 
 class AgentMetrics:

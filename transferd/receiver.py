@@ -343,13 +343,11 @@ class Receiver(AgentBase):
             known = None
         if known is not None:
             known.close()
-        if known is not None and msg.epoch > known.epoch:
-            reason = (f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and "
-                      f"registered again")
-            log.warning("%s: %s", self.name, reason)
-            for room in self._rooms_of(msg.group):
-                if room.assigned.get(msg.rank) == ident:
-                    self._finish(room, RoomStatus(RoomState.FAILED, "peer_lost", reason))
+            if msg.epoch > known.epoch:
+                reason = (f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and "
+                          f"registered again")
+                log.warning("%s: %s", self.name, reason)
+                self._fail_rooms_assigned_to(msg.group, msg.rank, ident, "peer_lost", reason)
         if old_ident is not None and old_ident != ident:
             old = self.peers.pop(old_ident, None)
             if old is not None:
@@ -357,9 +355,7 @@ class Receiver(AgentBase):
             reason = (f"prefill {msg.group} rank {msg.rank} restarted (incarnation "
                       f"{old.incarnation if old else '?'} -> {msg.incarnation})")
             log.warning("%s: %s", self.name, reason)
-            for room in self._rooms_of(msg.group):
-                if room.assigned.get(msg.rank) == old_ident:
-                    self._finish(room, RoomStatus(RoomState.FAILED, "peer_restarted", reason))
+            self._fail_rooms_assigned_to(msg.group, msg.rank, old_ident, "peer_restarted", reason)
         group.ranks[msg.rank] = ident
         self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
                                  msg.epoch, checksum, src_pool)
@@ -580,9 +576,13 @@ class Receiver(AgentBase):
                 for room in self._rooms_of(peer.group):
                     if not room.assigned:
                         room.tracker = None
-        for room in self._rooms_of(peer.group):
-            if room.assigned.get(peer.rank) == peer.ident:
-                self._finish(room, RoomStatus(RoomState.FAILED, "peer_lost", reason))
+        self._fail_rooms_assigned_to(peer.group, peer.rank, peer.ident, "peer_lost", reason)
+
+    def _fail_rooms_assigned_to(self, group: str, rank: int, ident: bytes, code: str, reason: str) -> None:
+        """End every room of ``group`` whose ``rank`` was assigned to the peer ``ident``."""
+        for room in self._rooms_of(group):
+            if room.assigned.get(rank) == ident:
+                self._finish(room, RoomStatus(RoomState.FAILED, code, reason))
 
     # -- engine API (runs on the loop) ---------------------------------------------------
     def expect(self, req: RoomRequest) -> RoomStatus:
