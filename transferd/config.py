@@ -7,7 +7,6 @@ Strings may use ``{name}``, ``{group}``, ``{rank}`` and ``{run_dir}`` placeholde
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import sys
@@ -430,7 +429,3 @@ def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> Confi
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
     return from_mapping(data, str(p), env)
-
-
-def to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
