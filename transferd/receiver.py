@@ -125,7 +125,7 @@ class Receiver(AgentBase):
             name = self.cfg.receiver_pool_name()
             if self.rcfg.create_pool:
                 self.pool = Pool.create(name, self.layout, exist_ok=True)
-                self._own_pool = self.pool._owner
+                self._own_pool = True  # created or re-attached after a restart: this daemon owns it
             else:
                 self.pool = Pool.attach(name)
                 diff = layout_difference(self.pool.layout, self.layout, "pool", "config")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +79,17 @@ def test_launch_starts_a_working_pair_and_stops_cleanly_on_sigterm(tmp_path: Pat
     cfg = load(path, env=env)
     proc = subprocess.Popen([sys.executable, "-m", "transferd", "launch", "--config", str(path), "--cp-size", "2"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("transferd: receiver"):
+                ready.set()  # launch has finished starting every daemon
+
+    threading.Thread(target=read, daemon=True).start()
     try:
         dc = DecodeClient(cfg.receiver_engine_socket(), timeout_s=1)
         deadline = time.monotonic() + 60
@@ -88,7 +100,7 @@ def test_launch_starts_a_working_pair_and_stops_cleanly_on_sigterm(tmp_path: Pat
                     break
             except ClientTimeout:
                 pass
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert proc.poll() is None, "".join(output)
             assert time.monotonic() < deadline, "launch did not come up"
             time.sleep(POLL_S)  # polling under the deadline above
         pids = [int(r["pid"]) for r in groups["prefill0"]["ranks"].values()] + [dc.status()["pid"]]
@@ -108,7 +120,25 @@ def test_launch_starts_a_working_pair_and_stops_cleanly_on_sigterm(tmp_path: Pat
             p.close()
         for c in [dc, *pcs]:
             c.close()
-        # the README's client example runs against the same daemons
+        # supervision: a sender that dies is started again and registers as a new incarnation
+        assert ready.wait(60), "".join(output)
+        old = groups["prefill0"]["ranks"]["1"]
+        os.kill(old["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        dc = DecodeClient(cfg.receiver_engine_socket(), timeout_s=1)
+        while True:
+            try:
+                rank1 = dc.status()["groups"].get("prefill0", {}).get("ranks", {}).get("1")
+                if rank1 and rank1["pid"] != old["pid"]:
+                    break
+            except ClientTimeout:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(output)
+            time.sleep(POLL_S)
+        assert rank1["incarnation"] != old["incarnation"]
+        pids.append(rank1["pid"])
+        dc.close()
+        # the README's client example runs against the same daemons (the restarted rank included)
         ex = subprocess.run([sys.executable, str(ROOT / "scripts" / "client_example.py"), "--config", str(path)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert ex.returncode == 0, ex.stdout + ex.stderr
