@@ -86,6 +86,14 @@ class SendRoom:
     sending: bool = False
     planned: tuple[int, int, int] = (0, 0, 0)  # kv, state, aux bytes this rank sends (known once assigned)
     sent: int = 0
+    handed: bool = False  # something of this room was handed to ZeroMQ (frames may still read the pool)
+    ending: RoomStatus | None = None  # failed here while frames may be in flight: waits for the receiver
+    ending_since: float = 0.0
+
+    @property
+    def stopped(self) -> bool:
+        """Send nothing more for this room."""
+        return self.status.state.terminal or self.ending is not None
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
 
@@ -181,8 +189,8 @@ class SenderAgent(AgentBase):
 
     async def _close(self) -> None:
         for room in list(self.rooms.values()):
-            self._fail(room, "shutdown", f"shutting down: sender {self.group}/r{self.rank} stopped before the "
-                                         "room ended", reliable=False)
+            self._end_now(room, "shutdown", f"shutting down: sender {self.group}/r{self.rank} stopped before the "
+                                            "room ended")
         await asyncio.sleep(0.05)  # let the engines' pending waits and the fail messages go out
         if hasattr(self, "api"):
             self.api.close()
@@ -329,7 +337,7 @@ class SenderAgent(AgentBase):
         log.warning("%s: %s", self.name, reason)
         for room in list(self.rooms.values()):
             if room.conn is conn:
-                self._fail(room, "peer_lost", reason, reliable=False)
+                self._end_now(room, "peer_lost", reason)
         conn.epoch += 1
         conn.state = "registering"
         self._register(conn)
@@ -354,7 +362,9 @@ class SenderAgent(AgentBase):
                 elif conn.state == "refused" and now - conn.last_register > 10 * interval:
                     self._register(conn)  # the receiver's view of the group may have changed
             for room in list(self.rooms.values()):
-                if room.assign is None and now - room.created > self.scfg.assign_timeout_s:
+                if room.ending is not None and now - room.ending_since > deadline:
+                    self._set_terminal(room, room.ending)  # the receiver never answered: end it anyway
+                elif room.assign is None and now - room.created > self.scfg.assign_timeout_s:
                     self._fail(room, "assign_timeout", f"no receiver expected room {room.room} within "
                                                        f"{self.scfg.assign_timeout_s:g}s")
 
@@ -390,16 +400,33 @@ class SenderAgent(AgentBase):
         room.waiters.clear()
 
     def _fail(self, room: SendRoom, code: str, reason: str, *, reliable: bool = True) -> None:
-        """A prefill-side failure: end the room here and tell the receiver at once."""
-        if room.status.state.terminal:
+        """A prefill-side failure (an engine abort, a bad chunk): stop sending and tell the receiver
+        at once. If frames of the room were already handed to ZeroMQ, they are sent zero-copy out
+        of the pool and may still read it: the room then ends only when the receiver answers (its
+        status follows our frames on the same connection), so an engine that waits for the end
+        before reusing the pages never has them read afterwards. Otherwise it ends here at once."""
+        if room.stopped:
             return
-        self._set_terminal(room, RoomStatus(RoomState.FAILED, code, reason))
+        status = RoomStatus(RoomState.FAILED, code, reason)
+        connected = room.conn is not None and room.conn.state == "registered"
+        if reliable and room.handed and connected:
+            room.ending, room.ending_since = status, time.monotonic()
+            room.chunks.clear()
+        else:
+            self._set_terminal(room, status)
         if room.conn is not None and room.assign is not None:
             msg = Fail(room.assign.tok, code, reason)
             if reliable:
                 self._send_reliable(room.conn, msg)
             else:
                 self._send_ctrl(room.conn, msg)
+
+    def _end_now(self, room: SendRoom, code: str, reason: str) -> None:
+        """End a room at once (its connection is gone, or the agent stops), ending or not."""
+        if room.ending is not None:
+            self._set_terminal(room, room.ending)
+        else:
+            self._fail(room, code, reason, reliable=False)
 
     def _send_reliable(self, conn: Conn, msg: Any) -> None:
         """A control message that must not be dropped: queued behind the data (backpressure)."""
@@ -409,13 +436,13 @@ class SenderAgent(AgentBase):
         self.spawn(send(), f"send {type(msg).__name__}")
 
     def _pump(self, room: SendRoom) -> None:
-        if room.assign is not None and room.chunks and not room.sending and not room.status.state.terminal:
+        if room.assign is not None and room.chunks and not room.sending and not room.stopped:
             room.sending = True
             self.spawn(self._send_room(room), f"room {room.room}")
 
     async def _send_room(self, room: SendRoom) -> None:
         try:
-            while room.chunks and not room.status.state.terminal:
+            while room.chunks and not room.stopped:
                 chunk = room.chunks.popleft()
                 problem = self._check_chunk(room, chunk)
                 if problem:
@@ -423,7 +450,7 @@ class SenderAgent(AgentBase):
                     return
                 room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
                 await self._send_kv(room, chunk)
-                if chunk.last and not room.status.state.terminal:
+                if chunk.last and not room.stopped:
                     await self._send_last(room, chunk)
         except (zmq.ZMQError, TransferdError) as exc:
             self._fail(room, "send_error", f"{self.name} could not send: {exc}")
@@ -451,6 +478,7 @@ class SenderAgent(AgentBase):
 
     async def _send(self, room: SendRoom, kind: int, buffer: int, pos: int, count: int, src_row: int) -> None:
         assert room.conn is not None and room.assign is not None and self.pool is not None
+        room.handed = True
         if room.conn.shm:
             if self.faults.drop_frames and self._fault_rng.random() < self.faults.drop_frames:
                 self.acct.dropped["fault_drop_frame"] += 1
@@ -488,7 +516,7 @@ class SenderAgent(AgentBase):
             step = max(1, cap // self.layout.buffers[b].row_bytes)
             for a, e in pieces:
                 for p in range(a, e, step):
-                    if room.status.state.terminal:
+                    if room.stopped:
                         return  # aborted or failed: stop sending this room at once
                     await self._send(room, kind, b, base + p, min(step, e - p), int(src[p]))
 
@@ -511,11 +539,12 @@ class SenderAgent(AgentBase):
         for b in plan.state_skipped:
             comp = self.layout.buffers[b].component
             self.acct.state_bytes_skipped += len(a.state.get(comp, ())) * self.layout.buffers[b].row_bytes
-        if plan.aux and not room.status.state.terminal:
+        if plan.aux and not room.stopped:
             assert chunk.aux_slot is not None
             await self._send(room, 2, self.layout.aux_index, 0, 1, chunk.aux_slot)
-        if room.status.state.terminal:
+        if room.stopped:
             return
+        room.handed = True
         await room.conn.sock.send(encode(Done(a.tok, self.rank, *room.planned)))
 
     # -- engine API ----------------------------------------------------------------------
@@ -530,6 +559,8 @@ class SenderAgent(AgentBase):
         ended = self.ended.get(room_id)
         if room is None and ended is not None:
             raise BadRequest(f"room {room_id} already ended ({ended.status.state.value}: {ended.status.reason})")
+        if room is not None and room.ending is not None:
+            raise BadRequest(f"room {room_id} is ending ({room.ending.code}: {room.ending.reason})")
         if room is not None and room.last_submitted:
             raise BadRequest(f"room {room_id} already had its last chunk")
         expected = room.next_start if room is not None else 0

@@ -143,3 +143,23 @@ def test_release_of_a_live_room_aborts_it_and_allows_reuse(cluster: Cluster) -> 
     with pytest.raises(UnknownRoom):
         dc.poll(r.room, r.group)
     assert pcs[0].wait(r.room, 10).state is RoomState.FAILED
+
+
+def test_prefill_abort_after_frames_left_ends_only_when_the_receiver_answers(cluster: Cluster) -> None:
+    """Frames go out zero-copy and may still read the pool after abort returns: the room ends on
+    the prefill side only once the receiver has seen the abort (after every frame of the room),
+    so an engine that waits for the end before reusing its pages is safe."""
+    ep, dc, dpool = cluster.receiver()
+    pcs, spools = cluster.group("prefill0", 1, [ep])
+    r = make_room(12, "prefill0", 8, 1, chunks=[(0, 4), (4, 8)], spools=spools)
+    expect(dc, r)
+    pcs[0].submit(r.room, 0, r.src[0][:4])
+    cluster.until(lambda: dc.poll(r.room, r.group).state is RoomState.TRANSFERRING, "the first chunk to arrive")
+    st = pcs[0].abort(r.room, "engine preempted the request")
+    assert st.state is not RoomState.SUCCESS
+    with pytest.raises(BadRequest, match="is ending|already ended"):
+        pcs[0].submit(r.room, 4, r.src[0][4:], last=True, state=r.state_src[0], aux_slot=r.aux_src[0])
+    end = pcs[0].wait(r.room, 10)
+    assert end.state is RoomState.FAILED and end.code == "aborted" and "preempted" in end.reason
+    dst = dc.wait(r.room, r.group, 10)
+    assert dst.state is RoomState.FAILED and dst.code == "aborted" and "preempted" in dst.reason
