@@ -27,7 +27,7 @@ from .accounting import Accounting
 from .agent import AgentBase
 from .config import Config
 from .errors import BadRequest, IndexOutOfRange, TransferdError, UnknownRoom
-from .layout import PoolLayout, layout_difference
+from .layout import KINDS, PoolLayout, layout_difference
 from .pool import Pool, host_boot_id
 from .protocol.checksum import checksum_function
 from .protocol.engine import ints, slot_map, u64
@@ -127,6 +127,7 @@ class SenderAgent(AgentBase):
         self.ended: collections.OrderedDict[int, SendRoom] = collections.OrderedDict()  # the last terminal ones
         self.checksum = checksum_function(s.checksum)
         self.faults = cfg.faults
+        self._faults_on = cfg.faults.active  # checked per data message: computed once
         self._fault_rng = random.Random(cfg.faults.seed * 1000 + s.cp_rank)
         self.engine_endpoint = ""
         self._kv0 = self.layout.indices("kv")[0] if self.layout.indices("kv") else None
@@ -485,13 +486,13 @@ class SenderAgent(AgentBase):
                 return
             await room.conn.sock.send(encode(DataRef(room.assign.tok, kind, buffer, pos, count, src_row)))
             nbytes = count * self.layout.buffers[buffer].row_bytes
-            self.acct.add(("kv", "state", "aux")[kind], nbytes)
+            self.acct.add(KINDS[kind], nbytes)
             self.acct.shm_bytes += nbytes
             room.sent += nbytes
             return
         payload = self.pool.rows[buffer][src_row:src_row + count]
         csum = self.checksum(payload) if self.checksum is not None else None
-        if self.faults.active:
+        if self._faults_on:
             x = self._fault_rng.random()
             if x < self.faults.drop_frames:
                 self.acct.dropped["fault_drop_frame"] += 1
@@ -504,7 +505,7 @@ class SenderAgent(AgentBase):
         # a memoryview, not the ndarray: pyzmq formats repr() of what it queues (~30 µs for an array)
         await room.conn.sock.send_multipart(
             [encode(Data(room.assign.tok, kind, buffer, pos, count, csum)), payload.data], copy=False)
-        self.acct.add(("kv", "state", "aux")[kind], payload.nbytes)
+        self.acct.add(KINDS[kind], payload.nbytes)
         room.sent += payload.nbytes
 
     async def _send_runs(self, room: SendRoom, kind: int, buffers: tuple[int, ...], src: np.ndarray,
