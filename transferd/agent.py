@@ -39,6 +39,7 @@ class AgentBase:
         from .metrics import AgentMetrics
 
         self.ctx: zmq.asyncio.Context | None = None
+        self.zctx: zmq.Context[Any] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -89,6 +90,7 @@ class AgentBase:
         self._stop_event = asyncio.Event()
         self.ready = asyncio.Event()
         self.ctx = zmq.asyncio.Context()
+        self.zctx = zmq.Context.shadow(self.ctx.underlying)  # plain sockets of the same context (LoopSocket)
         try:
             await self._start()
             if self.metrics_bind:

@@ -26,6 +26,7 @@ docs/PERFORMANCE.md describes every figure.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 import logging
@@ -54,6 +55,7 @@ from .config import Config, ReceiverConfig, SenderConfig, load
 from .errors import ClientTimeout, ConfigError, TransferdError
 from .launcher import die_with_parent
 from .layout import ModelSpec, PoolLayout
+from .malloc import keep_message_buffers_mapped
 from .pool import Pool, shm_dir
 from .protocol.policy import SplitMode, contiguous_slice, group_plans
 from .protocol.room import RoomState
@@ -282,6 +284,7 @@ class _Bench:
         self.notes: dict[str, str] = {}
         self.codes: dict[str, int | None] = {}
         self.mooncake: _Mooncake | None = None
+        self.only: list[str] = []  # subject globs (--only); empty: all
 
     # -- output --------------------------------------------------------------------------
     def say(self, msg: str) -> None:
@@ -370,6 +373,9 @@ class _Bench:
         lim = ModelSpec(name="bench-limits", dtype="uint8", page_size=1, kv_layers=2, kv_format="mla",
                         kv_token_elems=MiB).layout(ring // MiB, 0, 1)
         self.lim_pool = Pool.create(f"{self.tag}-limits", lim)
+        # the baseline is tuned like the daemons: its receiver (here) and its sender keep message
+        # buffers mapped (transferd/malloc.py)
+        keep_message_buffers_mapped()
         self._start_raw_sender()
         if importlib.util.find_spec("mooncake") is None:
             self.notes["peers"] = ("mooncake-transfer-engine-non-cuda is not installed: no Mooncake column "
@@ -616,9 +622,12 @@ class _Bench:
         self._poison(c, rooms[0][2], {}, 0)
         shm0 = int(pc.stats().get("shm_bytes", 0))
         cpu0 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
+        expects = [{"room": room, "group": g.name, "dst_pages": dst.tolist(), "aux_slot": j}
+                   for j, (room, _, dst) in enumerate(rooms)]
         t0 = time.perf_counter()
-        for j, (room, _, dst) in enumerate(rooms):
-            c.dc.expect(room, g.name, dst.tolist(), aux_slot=j)
+        for st in c.dc.expect_many(expects):  # one engine call for all, as a batching engine would
+            if isinstance(st, Exception):
+                raise TransferdError(f"bench: expect refused: {st}")
         ok = self._wait_all(c, [(g.name, room) for room, _, _ in rooms])
         dt = time.perf_counter() - t0
         cpu1 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
@@ -785,6 +794,8 @@ class _Bench:
         if self.mooncake is not None:
             for key in SIZES:
                 out.append((f"mooncake/{key}", partial(self.mooncake_tcp, key)))
+        if self.only:
+            out = [(n, fn) for n, fn in out if any(fnmatch.fnmatchcase(n, g) for g in self.only)]
         return out
 
     def mooncake_tcp(self, key: str) -> dict[str, Any]:
@@ -1163,6 +1174,7 @@ def raw_zmq_sender_main(argv: list[str]) -> int:
     control socket, send ``count`` messages of ``size`` bytes zero-copy out of buffer 0 of the pool;
     ``None`` ends it."""
     ctrl_ep, data_ep, pool_name = argv
+    keep_message_buffers_mapped()
     pool = Pool.attach(pool_name)
     src = pool.rows[0].reshape(-1)
     ctx = zmq.Context()
@@ -1331,7 +1343,7 @@ def plot(out: dict[str, Any], path: str) -> None:
 # -- entry point ----------------------------------------------------------------------------------
 
 def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_path: str | None = None,
-              plot_path: str | None = None, repeats: int | None = None) -> int:
+              plot_path: str | None = None, repeats: int | None = None, only: str | None = None) -> int:
     """Run the benchmark; print the table, write JSON/plot. 0 when every room succeeded and every
     verified byte matched (figures below a target do not fail the run), 1 otherwise, 2 on usage
     errors."""
@@ -1360,6 +1372,15 @@ def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_pa
     tag = f"bench{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix="transferd-bench-"))
     bench = _Bench(plan, quick, run_dir, tag, progress)
+    if only:
+        bench.only = [g.strip() for g in only.split(",") if g.strip()]
+        names = [n for n, _ in bench.subjects()] + [f"mooncake/{k}" for k in SIZES]  # mooncake: when importable
+        unmatched = [g for g in bench.only if not any(fnmatch.fnmatchcase(n, g) for n in names)]
+        if unmatched:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"transferd bench: --only {unmatched[0]!r} matches no subject (there are: {', '.join(names)})",
+                  file=sys.stderr)
+            return 2
     out: dict[str, Any] | None = None
     ok = False
 

@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the results to PATH ('-' for stdout)")
     p.add_argument("--plot", metavar="PATH.png", help="draw throughput vs size and the de-dup bars (needs matplotlib)")
     p.add_argument("--repeats", type=int, help="interleaved rounds per measurement (median reported)")
+    p.add_argument("--only", metavar="GLOBS", help="measure only the subjects matching these comma-separated "
+                   "globs (e.g. 'raw_zmq/*,bulk/*'); the rest of the table stays empty")
     return ap
 
 
@@ -145,6 +147,9 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str | None]:
 
 def run_agent(agent: AgentBase) -> int:
     """Run a daemon until SIGTERM/SIGINT, which drain it (a second signal stops it at once)."""
+    from .malloc import keep_message_buffers_mapped
+
+    keep_message_buffers_mapped()
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     drains: list[asyncio.Task[None]] = []
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import run_bench
 
             return run_bench(cfg, path, quick=args.quick, json_path=args.json, plot_path=args.plot,
-                             repeats=args.repeats)
+                             repeats=args.repeats, only=args.only)
     except TransferdError as exc:
         log.error("%s", exc)
         return 1

@@ -40,7 +40,7 @@ from .protocol.messages import (
 )
 from .protocol.policy import RankPlan, SplitMode, group_plans
 from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance
-from .transport import LocalApiServer, configure, is_wildcard, load_keypair, send_nowait, watch_handshakes
+from .transport import LocalApiServer, LoopSocket, configure, is_wildcard, load_keypair, watch_handshakes
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class Receiver(AgentBase):
                 if diff:
                     raise TransferdError(f"pool {name!r} does not match the configuration: {diff}")
                 self.layout = self.pool.layout
-        self.router = self.ctx.socket(zmq.ROUTER)
+        assert self.zctx is not None
+        self.router = self.zctx.socket(zmq.ROUTER)
         configure(self.router)
         self._setup_curve()
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -141,13 +142,14 @@ class Receiver(AgentBase):
         self.router.setsockopt(zmq.RCVHWM, self.rcfg.recv_hwm)  # bounds bytes in flight per sender
         self.router.bind(self.rcfg.bind)
         self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._slow_s = self.cfg.faults.slow_receiver_ms / 1000.0
+        self.link = LoopSocket(self.router, self._on_message, self.name, copy=False)
         self.api = LocalApiServer(self.ctx, self.cfg.receiver_engine_socket(), {
             "expect": self._api_expect, "poll": self._api_poll, "wait": self._api_wait,
             "abort": self._api_abort, "release": self._api_release, "stats": lambda r: self.stats(),
             "status": lambda r: self.status(), "ping": lambda r: {"name": self.rcfg.name, "pid": os.getpid()},
         }, self.name, self.acct.refused)
         self.engine_endpoint = self.api.bound
-        self.spawn(self._recv_loop(), "recv")
         self.spawn(self.api.run(), "engine-api")
         self.spawn(self._tick_loop(), "tick")
         assert self.ready is not None
@@ -177,7 +179,7 @@ class Receiver(AgentBase):
         self.router.curve_secretkey = secret
         self.router.curve_publickey = public
         self.router.curve_server = True
-        self.spawn(watch_handshakes(self.router, self._handshake_failed), "handshakes")
+        self.spawn(watch_handshakes(self.router, self.ctx, self._handshake_failed), "handshakes")
         log.info("%s: CURVE on; senders allowed from the public keys in %s", self.name, r.curve_allow_dir)
 
     def _handshake_failed(self, kind: str, what: str) -> None:
@@ -192,7 +194,9 @@ class Receiver(AgentBase):
             peer.close()
         if hasattr(self, "api"):
             self.api.close()
-        if hasattr(self, "router"):
+        if hasattr(self, "link"):
+            self.link.close(linger=500)
+        elif hasattr(self, "router"):
             self.router.close(linger=500)
         if getattr(self, "auth", None) is not None:
             self.auth.stop()
@@ -203,31 +207,27 @@ class Receiver(AgentBase):
 
     # -- sending -------------------------------------------------------------------------
     def _send(self, ident: bytes, msg: Any) -> None:
-        def dropped(exc: BaseException) -> None:
-            err = zmq.strerror(exc.errno or 0) if isinstance(exc, zmq.ZMQError) else type(exc).__name__
-            self.acct.dropped[f"send_{err.replace(' ', '_').lower()}"] += 1
-            log.warning("%s: could not send %s to %r: %s", self.name, type(msg).__name__, ident, exc)
-
-        send_nowait(self.router, [ident, encode(msg)], dropped)
+        """A control message to a peer, never blocking the loop: dropped and counted when the
+        peer's pipe is full or the peer is gone."""
+        try:
+            if self.link.try_send([ident, encode(msg)]):
+                return
+            err = zmq.strerror(zmq.EAGAIN)
+        except zmq.ZMQError as exc:
+            err = zmq.strerror(exc.errno or 0)
+        self.acct.dropped[f"send_{err.replace(' ', '_').lower()}"] += 1
+        log.warning("%s: could not send %s to %r: %s", self.name, type(msg).__name__, ident, err)
 
     # -- network input -------------------------------------------------------------------
-    async def _recv_loop(self) -> None:
-        sock = self.router
-        slow = self.cfg.faults.slow_receiver_ms / 1000.0
-        n = 0
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            frames_before = self.acct.frames
-            try:
-                self._on_frames(frames)
-            except Exception:  # a bug must not take the receiver down with every room
-                log.exception("%s: error while handling a message", self.name)
-                self.acct.refused["internal_error"] += 1
-            n += 1
-            if slow and self.acct.frames != frames_before:
-                await asyncio.sleep(slow)  # fault injection: a slow decode side
-            elif n % 64 == 0:
-                await asyncio.sleep(0)  # a ready socket never yields by itself: let timers and the engine API run
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        frames_before = self.acct.frames
+        try:
+            self._on_frames(frames)
+        except Exception:  # a bug must not take the receiver down with every room
+            log.exception("%s: error while handling a message", self.name)
+            self.acct.refused["internal_error"] += 1
+        if self._slow_s and self.acct.frames != frames_before:
+            self.link.pause(self._slow_s)  # fault injection: a slow decode side
 
     def _refuse(self, code: str, why: str, ident: bytes = b"") -> None:
         self.acct.refused[code] += 1

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from . import __version__
 from .accounting import Accounting
@@ -37,7 +36,7 @@ from .protocol.messages import (
 )
 from .protocol.policy import RankPlan, SplitMode, rank_plan
 from .protocol.room import RoomState, RoomStatus, advance
-from .transport import LocalApiServer, configure, load_keypair, load_public_key, send_nowait, watch_handshakes
+from .transport import LocalApiServer, LoopSocket, configure, load_keypair, load_public_key, watch_handshakes
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,8 @@ TERMINAL_RETENTION = 100_000
 @dataclass(slots=True)
 class Conn:
     endpoint: str
-    sock: zmq.asyncio.Socket
+    sock: zmq.Socket[Any]
+    link: LoopSocket
     state: str = "registering"  # registering | registered | refused
     receiver: str = ""
     receiver_inc: int = 0
@@ -134,6 +134,7 @@ class SenderAgent(AgentBase):
         self.metrics_bind = s.metrics_bind
         self.metrics_port_offset = s.cp_rank
         self.drain_timeout_s = s.drain_timeout_s
+        self._burst = 0  # messages sent since the data path last gave the loop a turn
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
@@ -154,18 +155,21 @@ class SenderAgent(AgentBase):
         if self.scfg.curve_secret_key:
             keys = (*load_keypair(self.scfg.curve_secret_key, "sender.curve_secret_key"),
                     load_public_key(self.scfg.curve_server_key, "sender.curve_server_key"))
+        assert self.zctx is not None
         for ep in self.scfg.receivers:
-            sock = self.ctx.socket(zmq.DEALER)
+            sock = self.zctx.socket(zmq.DEALER)
             configure(sock, hwm=self.scfg.send_hwm)
             sock.setsockopt(zmq.IDENTITY, ident)
             if keys is not None:
                 sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
-                self.spawn(watch_handshakes(sock, self._handshake_failed), f"handshakes {ep}")
+                self.spawn(watch_handshakes(sock, self.ctx, self._handshake_failed), f"handshakes {ep}")
             sock.connect(ep)
-            conn = Conn(ep, sock)
+            box: list[Conn] = []
+            conn = Conn(ep, sock, LoopSocket(sock, lambda frames, box=box: self._on_message(box[0], frames),
+                                             f"{self.name} → {ep}"))
+            box.append(conn)
             self.conns.append(conn)
             self._register(conn)
-            self.spawn(self._recv_loop(conn), f"recv {ep}")
         self.api = LocalApiServer(self.ctx, self.cfg.sender_engine_socket(), {
             "submit": self._api_submit, "poll": self._api_poll, "wait": self._api_wait,
             "abort": self._api_abort, "stats": lambda r: self.stats(), "status": lambda r: self.status(),
@@ -196,7 +200,7 @@ class SenderAgent(AgentBase):
         if hasattr(self, "api"):
             self.api.close()
         for c in self.conns:
-            c.sock.close(linger=500)
+            c.link.close(linger=500)
         if self.pool is not None:
             if self._own_pool:
                 self.pool.unlink()
@@ -217,21 +221,22 @@ class SenderAgent(AgentBase):
 
     def _send_ctrl(self, conn: Conn, msg: Any) -> None:
         """Small control message, never blocking the loop (dropped and counted if the pipe is full)."""
-        def dropped(exc: BaseException) -> None:
-            self.acct.dropped[f"ctrl_{type(msg).__name__.lower()}"] += 1
-            log.debug("%s: %s to %s not sent: %s", self.name, type(msg).__name__, conn.endpoint, exc)
-
-        send_nowait(conn.sock, [encode(msg)], dropped)
+        try:
+            if conn.link.try_send([encode(msg)]):
+                return
+            why = "the pipe is full"
+        except zmq.ZMQError as exc:
+            why = str(exc)
+        self.acct.dropped[f"ctrl_{type(msg).__name__.lower()}"] += 1
+        log.debug("%s: %s to %s not sent: %s", self.name, type(msg).__name__, conn.endpoint, why)
 
     # -- network input -------------------------------------------------------------------
-    async def _recv_loop(self, conn: Conn) -> None:
-        while True:
-            frames = await conn.sock.recv_multipart()
-            try:
-                self._on_frames(conn, frames)
-            except Exception:
-                log.exception("%s: error while handling a message from %s", self.name, conn.endpoint)
-                self.acct.refused["internal_error"] += 1
+    def _on_message(self, conn: Conn, frames: list[bytes]) -> None:
+        try:
+            self._on_frames(conn, frames)
+        except Exception:
+            log.exception("%s: error while handling a message from %s", self.name, conn.endpoint)
+            self.acct.refused["internal_error"] += 1
 
     def _on_frames(self, conn: Conn, frames: list[bytes]) -> None:
         conn.last_heard = time.monotonic()
@@ -430,11 +435,26 @@ class SenderAgent(AgentBase):
             self._fail(room, code, reason, reliable=False)
 
     def _send_reliable(self, conn: Conn, msg: Any) -> None:
-        """A control message that must not be dropped: queued behind the data (backpressure)."""
-        async def send() -> None:
-            await conn.sock.send(encode(msg))
+        """A control message that must not be dropped: behind the data, waiting while the pipe
+        is full (backpressure)."""
+        frames = [encode(msg)]
+        if not conn.link.try_send(frames):
+            self.spawn(conn.link.send(frames), f"send {type(msg).__name__}")
 
-        self.spawn(send(), f"send {type(msg).__name__}")
+    async def _emit(self, room: SendRoom, frames: list[Any]) -> bool:
+        """Send one message of a room, waiting while the pipe is full; False (nothing sent) when
+        the room stopped meanwhile — nothing of a stopped room leaves after its fail message."""
+        assert room.conn is not None
+        link = room.conn.link
+        while not link.try_send(frames, copy=False):
+            await link.writable()
+            if room.stopped:
+                return False
+        self._burst += 1
+        if self._burst >= 64:  # the pipe kept taking messages: give the loop a turn anyway
+            self._burst = 0
+            await asyncio.sleep(0)
+        return True
 
     def _pump(self, room: SendRoom) -> None:
         if room.assign is not None and room.chunks and not room.sending and not room.stopped:
@@ -484,7 +504,8 @@ class SenderAgent(AgentBase):
             if self.faults.drop_frames and self._fault_rng.random() < self.faults.drop_frames:
                 self.acct.dropped["fault_drop_frame"] += 1
                 return
-            await room.conn.sock.send(encode(DataRef(room.assign.tok, kind, buffer, pos, count, src_row)))
+            if not await self._emit(room, [encode(DataRef(room.assign.tok, kind, buffer, pos, count, src_row))]):
+                return
             nbytes = count * self.layout.buffers[buffer].row_bytes
             self.acct.add(KINDS[kind], nbytes)
             self.acct.shm_bytes += nbytes
@@ -503,8 +524,8 @@ class SenderAgent(AgentBase):
                 flat = payload.reshape(-1)
                 flat[self._fault_rng.randrange(flat.size)] ^= 0xFF
         # a memoryview, not the ndarray: pyzmq formats repr() of what it queues (~30 µs for an array)
-        await room.conn.sock.send_multipart(
-            [encode(Data(room.assign.tok, kind, buffer, pos, count, csum)), payload.data], copy=False)
+        if not await self._emit(room, [encode(Data(room.assign.tok, kind, buffer, pos, count, csum)), payload.data]):
+            return
         self.acct.add(KINDS[kind], payload.nbytes)
         room.sent += payload.nbytes
 
@@ -546,7 +567,7 @@ class SenderAgent(AgentBase):
         if room.stopped:
             return
         room.handed = True
-        await room.conn.sock.send(encode(Done(a.tok, self.rank, *room.planned)))
+        await self._emit(room, [encode(Done(a.tok, self.rank, *room.planned))])
 
     # -- engine API ----------------------------------------------------------------------
     def submit(self, room_id: int, start: int, src_pages: tuple[int, ...], *, last: bool = False,

@@ -86,7 +86,10 @@ def test_aux_guard_mismatch_fails_the_room_and_writes_no_aux(cluster: Cluster) -
     write_guard(spools[0], r.aux_src[0], 78)  # rank 0's engine put another request's row in the slot
     aux_before = dpool.rows[dpool.layout.aux_index][r.aux_dst].copy()
     expect(dc, r)
-    submit_all(pcs, r)
+    # rank 1 first: the room may fail as soon as rank 0's aux row arrives, and a rank that learns
+    # of the end before its engine submits refuses the late chunk (correctly)
+    for rank in (1, 0):
+        pcs[rank].submit(r.room, 0, r.src[rank], last=True, state=r.state_src[rank], aux_slot=r.aux_src[rank])
     st = dc.wait(r.room, r.group, 20)
     assert st.state is RoomState.FAILED and st.code == "aux_guard"
     assert "room id 78, expected 77" in st.reason
