@@ -35,7 +35,7 @@ from .protocol.engine import nonempty_str as _str
 from .protocol.engine import slot_map
 from .protocol.engine import u64 as _u64
 from .protocol.messages import (
-    PROTOCOL_VERSION, Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
+    PROTOCOL_VERSION, Assign, Data, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
     encode,
 )
 from .protocol.policy import RankPlan, SplitMode, group_plans
@@ -91,6 +91,21 @@ class DecodeRoom:
     @property
     def key(self) -> tuple[str, int]:
         return (self.req.group, self.req.room)
+
+
+def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> None:
+    """``dst[dst_rows] = src[src_rows]`` in one pass over the bytes: one block copy per run of
+    rows consecutive on both sides (a fancy-index assignment gathers into a temporary first)."""
+    n = len(src_rows)
+    if n == 1:
+        dst[int(dst_rows[0])] = src[int(src_rows[0])]
+        return
+    brk = np.flatnonzero((np.diff(src_rows) != 1) | (np.diff(dst_rows) != 1)) + 1
+    starts = [0, *brk.tolist()]
+    ends = [*brk.tolist(), n]
+    for d, s, a, b in zip(dst_rows[starts].tolist(), src_rows[starts].tolist(), starts, ends):
+        dst[d:d + b - a] = src[s:s + b - a]
+
 
 
 class Receiver(AgentBase):
@@ -248,11 +263,12 @@ class Receiver(AgentBase):
         peer = self.peers.get(ident)
         if peer is not None:
             peer.last_seen = time.monotonic()
-        if isinstance(msg, (Data, DataRef)):
-            want = 3 if isinstance(msg, Data) else 2
+        if isinstance(msg, (Data, DataRef, DataRefs)):
+            want = 2 if isinstance(msg, DataRef) else 3
             if len(frames) != want:
-                self._refuse("malformed", f"{'data' if want == 3 else 'data-ref'} message with "
-                                          f"{len(frames) - 2} payload frames, not {want - 2}", ident)
+                what = {Data: "data", DataRef: "data-ref", DataRefs: "data-refs"}[type(msg)]
+                self._refuse("malformed", f"{what} message with {len(frames) - 2} payload frames, not {want - 2}",
+                             ident)
                 return
             if peer is None:
                 self._refuse("unregistered", "data from an unregistered peer", ident)
@@ -388,7 +404,7 @@ class Receiver(AgentBase):
     def _rooms_of(self, group: str) -> list[DecodeRoom]:
         return [r for r in self.rooms.values() if r.req.group == group]
 
-    def _on_data(self, peer: Peer, msg: Data | DataRef, payload: memoryview | np.ndarray | None) -> None:
+    def _on_data(self, peer: Peer, msg: Data | DataRef | DataRefs, payload: memoryview | None) -> None:
         room = self.by_tok.get(msg.tok)
         if room is None:
             self._refuse("unknown_room", f"data for unknown transfer token {msg.tok:x}", peer.ident)
@@ -407,30 +423,49 @@ class Receiver(AgentBase):
                                                          "does not match the layout")
             return
         row_bytes = self._row_bytes[msg.buffer]
-        if isinstance(msg, DataRef):
-            src = peer.src_pool.rows[msg.buffer] if peer.src_pool is not None else None
-            if src is None or msg.src_row + msg.count > src.shape[0]:
-                self._reject_frame(room, peer, "index_out_of_range" if src is not None else "no_shm",
-                                   f"data-ref rows [{msg.src_row}, {msg.src_row + msg.count}) of buffer {msg.buffer}"
-                                   + (f" outside the sender's {src.shape[0]} rows" if src is not None
-                                      else " but no same-host path was agreed"))
+        nbytes = msg.count * row_bytes
+        src_rows: np.ndarray | None = None  # data-refs: the sender's rows, one per position
+        src_pool: np.ndarray | None = None
+        if isinstance(msg, (DataRef, DataRefs)):
+            src_pool = peer.src_pool.rows[msg.buffer] if peer.src_pool is not None else None
+            if src_pool is None:
+                self._reject_frame(room, peer, "no_shm", f"data-ref rows of buffer {msg.buffer} but no same-host "
+                                                         "path was agreed")
                 return
-            payload = src[msg.src_row:msg.src_row + msg.count].reshape(-1)
-        assert payload is not None
-        if len(payload) != msg.count * row_bytes:
-            self._reject_frame(room, peer, "length_mismatch",
-                               f"payload of {len(payload)} bytes for {msg.count} rows of {row_bytes} bytes")
-            return
-        if peer.checksum is not None and isinstance(msg, Data):
-            if msg.checksum is None:
-                self._reject_frame(room, peer, "checksum", "data frame without the checksum its sender announced")
+            if isinstance(msg, DataRefs):
+                assert payload is not None
+                if len(payload) != msg.count * 8:
+                    self._reject_frame(room, peer, "length_mismatch", f"data-refs list of {len(payload)} bytes for "
+                                                                      f"{msg.count} rows (8 bytes each)")
+                    return
+                src_rows = np.frombuffer(payload, dtype="<i8")
+                lo, hi = int(src_rows.min()), int(src_rows.max()) + 1
+            else:
+                lo, hi = msg.src_row, msg.src_row + msg.count
+            if lo < 0 or hi > src_pool.shape[0]:
+                self._reject_frame(room, peer, "index_out_of_range",
+                                   f"data-ref rows [{lo}, {hi}) of buffer {msg.buffer} outside the sender's "
+                                   f"{src_pool.shape[0]} rows")
                 return
-            if peer.checksum(payload) != msg.checksum:
-                self._reject_frame(room, peer, "checksum", f"payload checksum mismatch in buffer {msg.buffer} "
-                                                           f"rows [{msg.pos}, {msg.pos + msg.count})")
+            if isinstance(msg, DataRef):
+                payload = src_pool[msg.src_row:msg.src_row + msg.count].reshape(-1).data
+        else:
+            assert payload is not None
+            if len(payload) != nbytes:
+                self._reject_frame(room, peer, "length_mismatch",
+                                   f"payload of {len(payload)} bytes for {msg.count} rows of {row_bytes} bytes")
                 return
+            if peer.checksum is not None:
+                if msg.checksum is None:
+                    self._reject_frame(room, peer, "checksum", "data frame without the checksum its sender announced")
+                    return
+                if peer.checksum(payload) != msg.checksum:
+                    self._reject_frame(room, peer, "checksum", f"payload checksum mismatch in buffer {msg.buffer} "
+                                                               f"rows [{msg.pos}, {msg.pos + msg.count})")
+                    return
         if msg.kind == 2:
-            guard = int(np.frombuffer(payload, dtype=AUX_GUARD, count=1)[0])
+            row = src_pool[int(src_rows[0])].data if src_rows is not None and src_pool is not None else payload
+            guard = int(np.frombuffer(row, dtype=AUX_GUARD, count=1)[0])  # type: ignore[arg-type]
             if guard != room.req.room:
                 self._reject_frame(room, peer, "aux_guard", f"aux row carries room id {guard}, "
                                                             f"expected {room.req.room}")
@@ -440,15 +475,20 @@ class Receiver(AgentBase):
         except Refused as exc:
             self._reject_frame(room, peer, exc.code, exc.reason)
             return
-        src = np.frombuffer(payload, dtype=np.uint8).reshape(msg.count, row_bytes)
-        if rows is None:
-            self.pool.rows[msg.buffer][first:first + msg.count] = src
+        dst_pool = self.pool.rows[msg.buffer]
+        if src_rows is not None:
+            assert src_pool is not None
+            copy_rows(dst_pool, np.arange(first, first + msg.count) if rows is None else rows, src_pool, src_rows)
         else:
-            self.pool.rows[msg.buffer][rows] = src
-        self.acct.add(self._kind_of[msg.buffer], len(payload))
-        room.received += len(payload)
-        if isinstance(msg, DataRef):
-            self.acct.shm_bytes += len(payload)
+            src = np.frombuffer(payload, dtype=np.uint8).reshape(msg.count, row_bytes)  # type: ignore[arg-type]
+            if rows is None:
+                dst_pool[first:first + msg.count] = src
+            else:
+                dst_pool[rows] = src
+        self.acct.add(self._kind_of[msg.buffer], nbytes)
+        room.received += nbytes
+        if src_pool is not None:
+            self.acct.shm_bytes += nbytes
         room.last_progress = time.monotonic()
         if room.status.state is not RoomState.TRANSFERRING:
             room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))

@@ -31,7 +31,7 @@ from .pool import Pool, host_boot_id
 from .protocol.checksum import checksum_function
 from .protocol.engine import ints, slot_map, u64
 from .protocol.messages import (
-    PROTOCOL_VERSION, Assign, Data, DataRef, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
+    PROTOCOL_VERSION, Assign, Data, DataRefs, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
     encode,
 )
 from .protocol.policy import RankPlan, SplitMode, rank_plan
@@ -500,17 +500,6 @@ class SenderAgent(AgentBase):
     async def _send(self, room: SendRoom, kind: int, buffer: int, pos: int, count: int, src_row: int) -> None:
         assert room.conn is not None and room.assign is not None and self.pool is not None
         room.handed = True
-        if room.conn.shm:
-            if self.faults.drop_frames and self._fault_rng.random() < self.faults.drop_frames:
-                self.acct.dropped["fault_drop_frame"] += 1
-                return
-            if not await self._emit(room, [encode(DataRef(room.assign.tok, kind, buffer, pos, count, src_row))]):
-                return
-            nbytes = count * self.layout.buffers[buffer].row_bytes
-            self.acct.add(KINDS[kind], nbytes)
-            self.acct.shm_bytes += nbytes
-            room.sent += nbytes
-            return
         payload = self.pool.rows[buffer][src_row:src_row + count]
         csum = self.checksum(payload) if self.checksum is not None else None
         if self._faults_on:
@@ -529,11 +518,35 @@ class SenderAgent(AgentBase):
         self.acct.add(KINDS[kind], payload.nbytes)
         room.sent += payload.nbytes
 
+    async def _send_refs(self, room: SendRoom, kind: int, buffer: int, pos: int, src_rows: np.ndarray) -> None:
+        """Same host: name the rows, the receiver copies them out of this pool after its checks."""
+        assert room.conn is not None and room.assign is not None
+        room.handed = True
+        if self.faults.drop_frames and self._fault_rng.random() < self.faults.drop_frames:
+            self.acct.dropped["fault_drop_frame"] += 1
+            return
+        count = len(src_rows)
+        rows = np.ascontiguousarray(src_rows, dtype="<i8").tobytes()
+        if not await self._emit(room, [encode(DataRefs(room.assign.tok, kind, buffer, pos, count)), rows]):
+            return
+        nbytes = count * self.layout.buffers[buffer].row_bytes
+        self.acct.add(KINDS[kind], nbytes)
+        self.acct.shm_bytes += nbytes
+        room.sent += nbytes
+
     async def _send_runs(self, room: SendRoom, kind: int, buffers: tuple[int, ...], src: np.ndarray,
                          dst: np.ndarray, base: int) -> None:
-        pieces = runs(src, dst)
         assert room.conn is not None
-        cap = self.scfg.shm_message_bytes if room.conn.shm else self.scfg.max_message_bytes
+        if room.conn.shm:  # one message per buffer and up to shm_message_bytes, scattered rows or not
+            for b in buffers:
+                step = max(1, self.scfg.shm_message_bytes // self.layout.buffers[b].row_bytes)
+                for p in range(0, len(src), step):
+                    if room.stopped:
+                        return
+                    await self._send_refs(room, kind, b, base + p, src[p:p + step])
+            return
+        pieces = runs(src, dst)
+        cap = self.scfg.max_message_bytes
         for b in buffers:
             step = max(1, cap // self.layout.buffers[b].row_bytes)
             for a, e in pieces:
@@ -563,7 +576,10 @@ class SenderAgent(AgentBase):
             self.acct.state_bytes_skipped += len(a.state.get(comp, ())) * self.layout.buffers[b].row_bytes
         if plan.aux and not room.stopped:
             assert chunk.aux_slot is not None
-            await self._send(room, 2, self.layout.aux_index, 0, 1, chunk.aux_slot)
+            if room.conn.shm:
+                await self._send_refs(room, 2, self.layout.aux_index, 0, np.array([chunk.aux_slot]))
+            else:
+                await self._send(room, 2, self.layout.aux_index, 0, 1, chunk.aux_slot)
         if room.stopped:
             return
         room.handed = True

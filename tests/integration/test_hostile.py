@@ -217,25 +217,25 @@ GARBAGE: list[tuple[str, list[bytes], str]] = [
     ("empty-frame", [b""], "decode"),
     ("truncated-array", [b"\x96\x01\x05"], "decode"),
     ("truncated-str", [b"\xa9abc"], "decode"),
-    ("trailing-bytes", [pack({"t": "ping", "v": 1, "seq": 1}) + b"\x00"], "decode"),
+    ("trailing-bytes", [pack({"t": "ping", "v": PROTOCOL_VERSION, "seq": 1}) + b"\x00"], "decode"),
     ("int-header", [pack(42)], "decode"),
     ("str-header", [pack("register")], "decode"),
     ("nil-header", [pack(None)], "decode"),
     ("bin-header", [pack(b"\x01\x02")], "decode"),
     ("float-header", [pack(1.5)], "decode"),
-    ("unknown-type", [pack({"t": "explode", "v": 1})], "decode"),
-    ("type-not-str", [pack({"t": 7, "v": 1})], "decode"),
-    ("type-missing", [pack({"v": 1, "seq": 1})], "decode"),
-    ("type-bin", [pack({"t": b"ping", "v": 1, "seq": 1})], "decode"),
-    ("ping-wrong-version", [pack({"t": "ping", "v": 2, "seq": 1})], "version"),
+    ("unknown-type", [pack({"t": "explode", "v": PROTOCOL_VERSION})], "decode"),
+    ("type-not-str", [pack({"t": 7, "v": PROTOCOL_VERSION})], "decode"),
+    ("type-missing", [pack({"v": PROTOCOL_VERSION, "seq": 1})], "decode"),
+    ("type-bin", [pack({"t": b"ping", "v": PROTOCOL_VERSION, "seq": 1})], "decode"),
+    ("ping-wrong-version", [pack({"t": "ping", "v": PROTOCOL_VERSION + 1, "seq": 1})], "version"),
     ("ping-version-str", [pack({"t": "ping", "v": "1", "seq": 1})], "version"),
-    ("ping-seq-str", [pack({"t": "ping", "v": 1, "seq": "1"})], "decode"),
-    ("ping-seq-bool", [pack({"t": "ping", "v": 1, "seq": True})], "decode"),
-    ("ping-seq-negative", [pack({"t": "ping", "v": 1, "seq": -1})], "decode"),
-    ("done-bytes-short", [pack({"t": "done", "v": 1, "tok": 1, "rank": 0, "bytes": [1, 2]})], "decode"),
+    ("ping-seq-str", [pack({"t": "ping", "v": PROTOCOL_VERSION, "seq": "1"})], "decode"),
+    ("ping-seq-bool", [pack({"t": "ping", "v": PROTOCOL_VERSION, "seq": True})], "decode"),
+    ("ping-seq-negative", [pack({"t": "ping", "v": PROTOCOL_VERSION, "seq": -1})], "decode"),
+    ("done-bytes-short", [pack({"t": "done", "v": PROTOCOL_VERSION, "tok": 1, "rank": 0, "bytes": [1, 2]})], "decode"),
     ("data-short", [pack([1, 2, 3]), b"x"], "decode"),
     ("data-long", [pack([1, 1, 0, 0, 0, 1, 0, 9]), b"x"], "decode"),
-    ("data-wrong-tag", [pack([3, 1, 0, 0, 0, 1]), b"x"], "decode"),
+    ("data-wrong-tag", [pack([9, 1, 0, 0, 0, 1]), b"x"], "decode"),
     ("data-ref-short", [pack([2, 1, 0, 0, 0, 1])], "decode"),
     ("data-kind-3", [pack([1, 1, 3, 0, 0, 1]), b"x"], "decode"),
     ("data-count-0", [pack([1, 1, 0, 0, 0, 0]), b""], "decode"),
@@ -284,8 +284,8 @@ def _other_layout(**model: Any) -> PoolLayout:
 
 
 REGISTRATIONS: list[tuple[str, Callable[[str], dict[str, Any]], str, list[str]]] = [
-    ("wrong-version", lambda g: register_header(g, 0, 1) | {"v": 2}, "version",
-     ["protocol version 2", f"speaks {PROTOCOL_VERSION}"]),
+    ("wrong-version", lambda g: register_header(g, 0, 1) | {"v": PROTOCOL_VERSION + 1}, "version",
+     [f"protocol version {PROTOCOL_VERSION + 1}", f"speaks {PROTOCOL_VERSION}"]),
     ("no-version", lambda g: {k: v for k, v in register_header(g, 0, 1).items() if k != "v"}, "version",
      ["protocol version None"]),
     ("row-bytes", lambda g: register_header(g, 0, 1, _other_layout(kv_token_elems=32)), "layout",
@@ -300,7 +300,7 @@ REGISTRATIONS: list[tuple[str, Callable[[str], dict[str, Any]], str, list[str]]]
      ["incompatible layout", "state.ssm.L0", "dtype"]),
     ("fingerprint", lambda g: register_header(g, 0, 1) | {"fp": "0123456789abcdef"}, "layout",
      ["fingerprint does not match"]),
-    ("unreadable-layout", lambda g: register_header(g, 0, 1) | {"layout": {"v": 1, "buffers": 5}}, "layout",
+    ("unreadable-layout", lambda g: register_header(g, 0, 1) | {"layout": {"v": PROTOCOL_VERSION, "buffers": 5}}, "layout",
      ["unreadable layout"]),
     ("layout-two-aux", lambda g: register_header(g, 0, 1) | {"layout": dict(
         FAKE_LAYOUT.to_wire(), buffers=FAKE_LAYOUT.to_wire()["buffers"] + [FAKE_LAYOUT.to_wire()["buffers"][-1]])},
@@ -1087,6 +1087,89 @@ def test_data_ref_rows_outside_the_senders_pool_fail_the_room_and_good_refs_comp
     spool.rows[a][4, :8] = np.frombuffer(np.uint64(r.room).astype("<u8").tobytes(), np.uint8)
     _data_ref(fake, r.tok, AUX, a, 0, 1, 4)
     r.want[a][r.aux] = spool.rows[a][4]
+    r.done()
+    st = r.wait()
+    assert st.state is RoomState.SUCCESS, st
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def _data_refs(f: Fake, tok: int, kind: int, buffer: int, pos: int, rows: list[int], *,
+               list_bytes: bytes | None = None) -> None:
+    body = np.asarray(rows, dtype="<i8").tobytes() if list_bytes is None else list_bytes
+    f.send(pack([3, tok, kind, buffer, pos, len(rows)]), body)
+
+
+def _shm_fake(env: Env) -> tuple[Fake, str, Pool]:
+    from transferd.pool import host_boot_id
+
+    name = f"{env.cluster.tag}-fakeshm-{next(env.ids)}"
+    spool = Pool.create(name, FAKE_LAYOUT)
+    env.cluster.pools.append(spool)
+    fill_random(spool, 5)
+    group = f"fakeshm-{next(env.ids)}"
+    fake = env.fake("shm")
+    fake.ctrl(register_header(group, 0, 1) | {"boot_id": host_boot_id(), "pool": name, "pool_id": spool.pool_id})
+    reply = fake.next("registered")
+    assert reply["ok"] is True and reply.get("shm") is True, reply
+    return fake, group, spool
+
+
+@same_host
+@pytest.mark.parametrize("case, rows, list_bytes, code", [
+    ("past-the-end", [3, FAKE_LAYOUT.kv_rows], None, "index_out_of_range"),
+    ("negative", [-1, 2], None, "index_out_of_range"),
+    ("list-short", [3, 4], np.asarray([3], "<i8").tobytes(), "length_mismatch"),
+    ("list-odd-bytes", [3, 4], b"\x00" * 15, "length_mismatch"),
+])
+def test_bad_data_refs_fail_the_room_and_write_nothing(guard: Env, case: str, rows: list[int],
+                                                       list_bytes: bytes | None, code: str) -> None:
+    env = guard
+    fake, group, _ = _shm_fake(env)
+    r = open_room(env, fake, group)
+    before, logs = env.refused(), env.log_lines(code)
+    _data_refs(fake, r.tok, KV, _kv0(r), 0, rows, list_bytes=list_bytes)
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == code, st
+    assert_refused_once(env, before, logs, code)
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+@same_host
+def test_data_refs_without_an_agreed_same_host_path_fail_the_room(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env)
+    r = open_room(env, fake, group)
+    before, logs = env.refused(), env.log_lines("no_shm")
+    _data_refs(fake, r.tok, KV, _kv0(r), 0, [0])
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "no_shm", st
+    assert_refused_once(env, before, logs, "no_shm")
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+@same_host
+def test_scattered_data_refs_complete_a_room_byte_exact(guard: Env) -> None:
+    env = guard
+    fake, group, spool = _shm_fake(env)
+    r = open_room(env, fake, group)
+    L = r.layout
+    n = len(r.dst)
+    src = [11, 4, 5, 9, 2, 7, 8, 1][:n]  # runs of one and two rows, both directions
+    assert len(src) == n
+    for b in L.indices("kv"):
+        _data_refs(fake, r.tok, KV, b, 0, src[:n // 2])
+        _data_refs(fake, r.tok, KV, b, n // 2, src[n // 2:])
+        r.want[b][r.dst] = spool.rows[b][src]
+    for b in L.indices("state"):
+        _data_refs(fake, r.tok, STATE, b, 0, [3])
+        r.want[b][r.slots[L.buffers[b].component][0]] = spool.rows[b][3]
+    a = L.aux_index
+    spool.rows[a][6, :8] = np.frombuffer(np.uint64(r.room).astype("<u8").tobytes(), np.uint8)
+    _data_refs(fake, r.tok, AUX, a, 0, [6])
+    r.want[a][r.aux] = spool.rows[a][6]
     r.done()
     st = r.wait()
     assert st.state is RoomState.SUCCESS, st

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from transferd.errors import TransferdError
+from transferd.protocol.messages import PROTOCOL_VERSION
 from transferd.protocol.room import RoomState
 
 from .harness import Cluster, fill_random
@@ -63,7 +64,7 @@ def test_metrics_endpoint_after_real_rooms(cluster: Cluster) -> None:
     assert m[("transferd_room_duration_seconds_count", (("outcome", "success"),))] == 3
     assert m[("transferd_registered_ranks", (("group", "prefill0"),))] == 2
     assert m[("transferd_bytes_in_flight", ())] == 0
-    assert ("transferd_info", (("name", "decode0"), ("protocol", "1"), ("role", "receiver"),
+    assert ("transferd_info", (("name", "decode0"), ("protocol", str(PROTOCOL_VERSION)), ("role", "receiver"),
                                ("version", "0.1.0"))) in m
     copy = state_copy_bytes(dpool)
     s1 = pcs[1].stats()

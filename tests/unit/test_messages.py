@@ -326,7 +326,9 @@ def test_data_header_out_of_range(frame: bytes) -> None:
         _data(1, 7, 0, 0, 0),               # too short
         _data(1, 7, 0, 0, 0, 1, 0, 0),      # too long
         _data(1, 7, 0, 0, 0, 1, "c"),       # checksum not an int
-        _data(3, 7, 0, 0, 0, 1),            # unknown tag
+        _data(9, 7, 0, 0, 0, 1),            # unknown tag
+        _data(3, 7, 0, 0, 0),               # data-refs without its count
+        _data(3, 7, 0, 0, 0, 1, 5),         # data-refs with a src_row (the rows are a frame)
         _data(2, 7, 0, 0, 0, 1),            # data-ref tag without its src_row
         _data(1, 7, 0, 0, 0, True),         # bool
         _data(1, 7, 0, 0, 0, 1.0),          # float
@@ -336,7 +338,7 @@ def test_data_header_out_of_range(frame: bytes) -> None:
     ],
 )
 def test_data_header_shape(frame: bytes) -> None:
-    with pytest.raises(DecodeError, match="data(-ref)? header"):
+    with pytest.raises(DecodeError, match="data(-refs?)? header"):
         decode_header(frame)
 
 
@@ -349,6 +351,17 @@ def test_data_ref_round_trip_and_limits() -> None:
         decode_header(_data(2, 5, 0, 3, 7, 0, 99))  # count 0
     with pytest.raises(DecodeError, match="data-ref header fields out of range"):
         decode_header(_data(2, 5, 0, 3, 7, 1, 1 << 40))
+
+
+def test_data_refs_round_trip_and_limits() -> None:
+    from transferd.protocol.messages import DataRefs
+
+    m = DataRefs(5, 1, 3, 7, 2)
+    assert decode_header(encode(m)) == m
+    for bad in (_data(3, 5, 0, 3, 7, 0), _data(3, 5, 3, 3, 7, 1), _data(3, -1, 0, 3, 7, 1),
+                _data(3, 5, 0, 1 << 20, 7, 1), _data(3, 5, 0, 3, 1 << 40, 1)):
+        with pytest.raises(DecodeError, match="data-refs header fields out of range"):
+            decode_header(bad)
 
 
 def test_data_header_limits_inclusive() -> None:

@@ -18,11 +18,14 @@ from ..errors import DecodeError, VersionMismatch
 # Incompatible changes bump this; peers with another version are refused at registration.
 # History:
 #   1 — first version: register/registered, assign, data, data-ref, done, fail, status, ping/pong.
-PROTOCOL_VERSION = 1
+#   2 — data-refs: same-host rows listed one by one in a second frame (scattered pages in one
+#       message); a version-1 receiver would refuse them, so the versions do not mix.
+PROTOCOL_VERSION = 2
 
 MAX_CP_SIZE = 1024
 DATA_TAG = 1
 DATA_REF_TAG = 2
+DATA_REFS_TAG = 3
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # an assign for a very long room still fits; more is hostile
 U64_MAX = (1 << 64) - 1
 
@@ -211,6 +214,24 @@ class DataRef:
 
 
 @dataclass(frozen=True, slots=True)
+class DataRefs:
+    """Sender → receiver on the same host: positions ``[pos, pos + count)`` of one buffer whose
+    rows lie anywhere in the sender's pool. The frame that follows lists their source rows, in
+    position order, as ``count`` little-endian int64 values; the receiver checks them all, then
+    copies one block per run that is consecutive on both sides. Header
+    ``[3, tok, kind, buffer, pos, count]``."""
+
+    tok: int
+    kind: int
+    buffer: int
+    pos: int
+    count: int
+
+    def header(self) -> list[int]:
+        return [DATA_REFS_TAG, self.tok, self.kind, self.buffer, self.pos, self.count]
+
+
+@dataclass(frozen=True, slots=True)
 class Done:
     """Sender → receiver: this rank has sent everything its plan holds for the room."""
 
@@ -306,7 +327,7 @@ class Pong:
 
 
 Control = Union[Register, Registered, Assign, Done, Fail, Status, Ping, Pong]
-Message = Union[Control, Data, DataRef]
+Message = Union[Control, Data, DataRef, DataRefs]
 
 CONTROL_TYPES: dict[str, Any] = {
     c.T: c for c in (Register, Registered, Assign, Done, Fail, Status, Ping, Pong)
@@ -334,6 +355,14 @@ def decode_header(frame: bytes | memoryview) -> Message:
                 and 1 <= count < 1 << 32 and 0 <= src_row < 1 << 40):
             raise DecodeError(f"data-ref header fields out of range: {obj}")
         return DataRef(tok, kind, buf, pos, count, src_row)
+    if isinstance(obj, list) and obj and obj[0] == DATA_REFS_TAG:
+        if len(obj) != 6 or not all(type(x) is int for x in obj):
+            raise DecodeError("data-refs header must be [3, tok, kind, buffer, pos, count] of ints")
+        tok, kind, buf, pos, count = obj[1:]
+        if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
+                and 1 <= count < 1 << 32):
+            raise DecodeError(f"data-refs header fields out of range: {obj}")
+        return DataRefs(tok, kind, buf, pos, count)
     if isinstance(obj, list):
         if len(obj) not in (6, 7) or obj[0] != DATA_TAG or not all(type(x) is int for x in obj):
             raise DecodeError("data header must be [1, tok, kind, buffer, pos, count(, checksum)] of ints")
