@@ -159,7 +159,7 @@ class Receiver(AgentBase):
         self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._slow_s = self.cfg.faults.slow_receiver_ms / 1000.0
         self.link = LoopSocket(self.router, self._on_message, self.name, copy=False)
-        self.api = LocalApiServer(self.ctx, self.cfg.receiver_engine_socket(), {
+        self.api = LocalApiServer(self.zctx, self.cfg.receiver_engine_socket(), {
             "expect": self._api_expect, "poll": self._api_poll, "wait": self._api_wait,
             "abort": self._api_abort, "release": self._api_release, "stats": lambda r: self.stats(),
             "status": lambda r: self.status(), "ping": lambda r: {"name": self.rcfg.name, "pid": os.getpid()},

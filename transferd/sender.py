@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import random
@@ -164,13 +165,11 @@ class SenderAgent(AgentBase):
                 sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
                 self.spawn(watch_handshakes(sock, self.ctx, self._handshake_failed), f"handshakes {ep}")
             sock.connect(ep)
-            box: list[Conn] = []
-            conn = Conn(ep, sock, LoopSocket(sock, lambda frames, box=box: self._on_message(box[0], frames),
-                                             f"{self.name} → {ep}"))
-            box.append(conn)
+            conn = Conn(ep, sock, None)  # type: ignore[arg-type]  # the link needs the conn for its handler
+            conn.link = LoopSocket(sock, functools.partial(self._on_message, conn), f"{self.name} → {ep}")
             self.conns.append(conn)
             self._register(conn)
-        self.api = LocalApiServer(self.ctx, self.cfg.sender_engine_socket(), {
+        self.api = LocalApiServer(self.zctx, self.cfg.sender_engine_socket(), {
             "submit": self._api_submit, "poll": self._api_poll, "wait": self._api_wait,
             "abort": self._api_abort, "stats": lambda r: self.stats(), "status": lambda r: self.status(),
             "ping": lambda r: {"name": self.name, "pid": os.getpid()},

@@ -97,7 +97,7 @@ class LoopSocket:
         self.budget = budget
         self.loop = asyncio.get_running_loop()
         self.closed = False
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
         self._writers: list[asyncio.Future[None]] = []
         self._scheduled = False
         self._paused: asyncio.TimerHandle | None = None
@@ -114,7 +114,7 @@ class LoopSocket:
         sock = self.sock
         n = 0
         while not self.closed:
-            events = sock.getsockopt(zmq.EVENTS)
+            events = cast(int, sock.getsockopt(zmq.EVENTS))
             if events & zmq.POLLOUT and self._writers:
                 writers, self._writers = self._writers, []
                 for w in writers:
@@ -255,7 +255,7 @@ class LocalApiServer:
     the event loop; a handler may return an awaitable (for ``wait``), answered when it finishes.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, handlers: dict[str, Handler], name: str,
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, handlers: dict[str, Handler], name: str,
                  refused: Counter[str] | None = None) -> None:
         self.endpoint = endpoint
         self.handlers = handlers
@@ -270,35 +270,42 @@ class LocalApiServer:
         self.refused: Counter[str] = refused if refused is not None else Counter()
         """Engine requests refused, by ``engine_<code>`` (shared with the agent's accounting)."""
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.link: LoopSocket | None = None
 
     async def run(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                self.refused["engine_malformed"] += 1
-                log.warning("%s: engine request with %d frames refused", self.name, len(frames))
-                continue
-            ident, body = frames
-            try:
-                req = msgpack.unpackb(body, raw=False)
-                if not isinstance(req, dict) or not isinstance(req.get("op"), str):
-                    raise TransferdError("request must be a map with a string 'op'")
-            except Exception as exc:
-                self.refused["engine_decode"] += 1
-                log.warning("%s: malformed engine request refused: %s", self.name, exc)
-                await self._reply(ident, {"id": None, "ok": False, "code": "decode", "error": f"malformed request: {exc}"})
-                continue
-            rid = req.get("id")
-            if req["op"] == "batch":
-                outcome = self._batch(req)
-            else:
-                outcome = self._dispatch(req)
-            if isinstance(outcome, dict):
-                await self._reply(ident, {"id": rid, **outcome})
-            else:  # an awaitable (wait, or a batch holding one): answered when it finishes
-                t = asyncio.ensure_future(self._finish(ident, rid, outcome))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
+        """Serve until cancelled (requests are handled as they arrive, on the loop)."""
+        self.link = LoopSocket(self.sock, self._on_request, f"{self.name} engine API")
+        await asyncio.get_running_loop().create_future()
+
+    def _on_request(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.refused["engine_malformed"] += 1
+            log.warning("%s: engine request with %d frames refused", self.name, len(frames))
+            return
+        ident, body = frames
+        try:
+            req = msgpack.unpackb(body, raw=False)
+            if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+                raise TransferdError("request must be a map with a string 'op'")
+        except Exception as exc:
+            self.refused["engine_decode"] += 1
+            log.warning("%s: malformed engine request refused: %s", self.name, exc)
+            self._reply(ident, {"id": None, "ok": False, "code": "decode", "error": f"malformed request: {exc}"})
+            return
+        rid = req.get("id")
+        if req["op"] == "batch":
+            outcome = self._batch(req)
+        else:
+            outcome = self._dispatch(req)
+        if isinstance(outcome, dict):
+            self._reply(ident, {"id": rid, **outcome})
+        else:  # an awaitable (wait, or a batch holding one): answered when it finishes
+            self._spawn(self._finish(ident, rid, outcome))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     def _dispatch(self, req: dict[str, Any]) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         """Run one request: a reply body (``ok`` and ``result``, or ``code`` and ``error``), or an
@@ -352,18 +359,32 @@ class LocalApiServer:
         return gather()
 
     async def _finish(self, ident: bytes, rid: Any, aw: Awaitable[dict[str, Any]]) -> None:
-        await self._reply(ident, {"id": rid, **(await aw)})
+        self._reply(ident, {"id": rid, **(await aw)})
 
-    async def _reply(self, ident: bytes, body: dict[str, Any]) -> None:
+    def _reply(self, ident: bytes, body: dict[str, Any]) -> None:
+        """Answer at once; an engine whose pipe is full gets its answer when it reads again."""
+        frames = [ident, msgpack.packb(body, use_bin_type=True)]
+        assert self.link is not None
         try:
-            await self.sock.send_multipart([ident, msgpack.packb(body, use_bin_type=True)])
+            if not self.link.try_send(frames):
+                self._spawn(self._reply_later(frames))
         except zmq.ZMQError as exc:  # the engine went away
+            log.debug("%s: reply to engine dropped: %s", self.name, exc)
+
+    async def _reply_later(self, frames: list[bytes]) -> None:
+        assert self.link is not None
+        try:
+            await self.link.send(frames)
+        except zmq.ZMQError as exc:
             log.debug("%s: reply to engine dropped: %s", self.name, exc)
 
     def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        self.sock.close(linger=0)
+        if self.link is not None:
+            self.link.close(linger=0)
+        else:
+            self.sock.close(linger=0)
         path = ipc_path(self.endpoint)
         if path is not None:
             path.unlink(missing_ok=True)
