@@ -107,7 +107,11 @@ class AgentBase:
             await self._close()
             self.metrics.close()
             self.ctx.destroy(linger=0)
+            self._after_context()
             self.started.set()
+
+    def _after_context(self) -> None:
+        """Runs once the ZeroMQ context is terminated: no I/O thread reads memory any more."""
 
     async def _notify_loop(self) -> None:
         """systemd: READY=1 once ready, then STATUS= lines, and WATCHDOG=1 pings from this event

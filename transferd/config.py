@@ -105,7 +105,8 @@ class SenderConfig:
     assign_timeout_s: float = 300.0
     checksum: str = "none"
     same_host: str = "auto"  # offer this pool to a receiver on the same host ("auto") or never ("off")
-    shm_message_bytes: int = 16 << 20  # rows per data-ref message on the same-host path
+    shm_message_bytes: int = 16 << 20  # rows per data-refs message on the same-host path
+    zero_copy: str = "direct"  # "direct": rows handed to libzmq with no reference kept; "pyzmq": pyzmq frames
     drain_timeout_s: float = 30.0
     metrics_bind: str = "127.0.0.1:9470"  # Prometheus endpoint; the CP rank is added to the port
     curve_secret_key: str = ""  # this sender's CURVE key pair; "" = no encryption
@@ -207,6 +208,8 @@ class Config:
         for what, mode in (("sender.same_host", s.same_host), ("receiver.same_host", r.same_host)):
             if mode not in ("auto", "off"):
                 raise ConfigError(f"{what} must be 'auto' or 'off', not {mode!r}")
+        if s.zero_copy not in ("direct", "pyzmq"):
+            raise ConfigError(f"sender.zero_copy must be 'direct' or 'pyzmq', not {s.zero_copy!r}")
         _at_least(0, True, r.stall_timeout_s, "receiver.stall_timeout_s", r.bootstrap_timeout_s,
                   "receiver.bootstrap_timeout_s", r.waiting_timeout_s, "receiver.waiting_timeout_s",
                   s.assign_timeout_s, "sender.assign_timeout_s", r.heartbeat_interval_s,

@@ -37,6 +37,7 @@ from .protocol.messages import (
 )
 from .protocol.policy import RankPlan, SplitMode, rank_plan
 from .protocol.room import RoomState, RoomStatus, advance
+from . import zerocopy
 from .transport import LocalApiServer, LoopSocket, configure, load_keypair, load_public_key, watch_handshakes
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Conn:
     endpoint: str
     sock: zmq.Socket[Any]
     link: LoopSocket
+    rows: PoolSender | None = None  # zero-copy rows without pyzmq's reference keeping (zerocopy.py)
     state: str = "registering"  # registering | registered | refused
     receiver: str = ""
     receiver_inc: int = 0
@@ -167,6 +169,8 @@ class SenderAgent(AgentBase):
             sock.connect(ep)
             conn = Conn(ep, sock, None)  # type: ignore[arg-type]  # the link needs the conn for its handler
             conn.link = LoopSocket(sock, functools.partial(self._on_message, conn), f"{self.name} → {ep}")
+            if self.scfg.zero_copy == "direct" and zerocopy.available():
+                conn.rows = zerocopy.PoolSender(sock)
             self.conns.append(conn)
             self._register(conn)
         self.api = LocalApiServer(self.zctx, self.cfg.sender_engine_socket(), {
@@ -200,10 +204,12 @@ class SenderAgent(AgentBase):
             self.api.close()
         for c in self.conns:
             c.link.close(linger=500)
+        if self.pool is not None and self._own_pool:
+            self.pool.unlink()  # the name goes now; the mapping stays until the context is gone
+
+    def _after_context(self) -> None:
         if self.pool is not None:
-            if self._own_pool:
-                self.pool.unlink()
-            self.pool.close()
+            self.pool.close()  # no I/O thread can still be sending rows out of it
 
     def _handshake_failed(self, kind: str, what: str) -> None:
         self.acct.refused[kind] += 1
@@ -440,12 +446,20 @@ class SenderAgent(AgentBase):
         if not conn.link.try_send(frames):
             self.spawn(conn.link.send(frames), f"send {type(msg).__name__}")
 
-    async def _emit(self, room: SendRoom, frames: list[Any]) -> bool:
+    async def _emit(self, room: SendRoom, frames: list[Any], rows: np.ndarray | None = None) -> bool:
         """Send one message of a room, waiting while the pipe is full; False (nothing sent) when
-        the room stopped meanwhile — nothing of a stopped room leaves after its fail message."""
+        the room stopped meanwhile — nothing of a stopped room leaves after its fail message.
+        ``rows``: the payload is these rows of the pool, sent without pyzmq's reference keeping."""
         assert room.conn is not None
-        link = room.conn.link
-        while not link.try_send(frames, copy=False):
+        link, zc = room.conn.link, room.conn.rows
+        while True:
+            if rows is not None and zc is not None:
+                sent = zc.try_send(frames[0], rows.ctypes.data, rows.nbytes)
+                link.kick()
+            else:
+                sent = link.try_send(frames, copy=False)
+            if sent:
+                break
             await link.writable()
             if room.stopped:
                 return False
@@ -501,6 +515,7 @@ class SenderAgent(AgentBase):
         room.handed = True
         payload = self.pool.rows[buffer][src_row:src_row + count]
         csum = self.checksum(payload) if self.checksum is not None else None
+        copied = False
         if self._faults_on:
             x = self._fault_rng.random()
             if x < self.faults.drop_frames:
@@ -508,11 +523,14 @@ class SenderAgent(AgentBase):
                 return
             if x < self.faults.drop_frames + self.faults.corrupt_frames:
                 self.acct.dropped["fault_corrupt_frame"] += 1
-                payload = payload.copy()
+                payload, copied = payload.copy(), True
                 flat = payload.reshape(-1)
                 flat[self._fault_rng.randrange(flat.size)] ^= 0xFF
-        # a memoryview, not the ndarray: pyzmq formats repr() of what it queues (~30 µs for an array)
-        if not await self._emit(room, [encode(Data(room.assign.tok, kind, buffer, pos, count, csum)), payload.data]):
+        header = encode(Data(room.assign.tok, kind, buffer, pos, count, csum))
+        # rows of the pool go out with no reference kept (zerocopy.py); a fault's corrupted copy
+        # (and every payload where libzmq is not reachable) as a pyzmq frame — a memoryview, not
+        # the ndarray: pyzmq formats repr() of what it queues (~30 µs for an array)
+        if not await self._emit(room, [header, payload.data], rows=None if copied else payload):
             return
         self.acct.add(KINDS[kind], payload.nbytes)
         room.sent += payload.nbytes
@@ -538,7 +556,10 @@ class SenderAgent(AgentBase):
         assert room.conn is not None
         if room.conn.shm:  # one message per buffer and up to shm_message_bytes, scattered rows or not
             for b in buffers:
-                step = max(1, self.scfg.shm_message_bytes // self.layout.buffers[b].row_bytes)
+                # the row list (8 bytes a row) also stays within max_message_bytes, which the
+                # receiver checked against its frame limit at registration
+                step = max(1, min(self.scfg.shm_message_bytes // self.layout.buffers[b].row_bytes,
+                                  self.scfg.max_message_bytes // 8))
                 for p in range(0, len(src), step):
                     if room.stopped:
                         return

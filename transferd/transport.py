@@ -104,6 +104,11 @@ class LoopSocket:
         self.loop.add_reader(self._fd, self._on_ready)
         self._kick()
 
+    def kick(self) -> None:
+        """Look at the socket's events again on the next loop iteration: after any operation on
+        the socket made outside this class."""
+        self._kick()
+
     def _kick(self) -> None:
         if not self._scheduled and not self.closed:
             self._scheduled = True

@@ -216,3 +216,27 @@ def test_batched_engine_calls(cluster: Cluster) -> None:
     assert all(s.state is RoomState.SUCCESS for s in dc.release_many([(r.room, r.group) for r in rooms]))
     nested = dc.batch([{"op": "batch", "calls": []}, {"op": "ping"}])
     assert isinstance(nested[0], BadRequest) and "do not nest" in str(nested[0]) and nested[1]["name"] == "decode0"
+
+
+@pytest.mark.parametrize("zero_copy", ["direct", "pyzmq"])
+def test_both_zero_copy_modes_are_byte_exact_over_tcp(cluster: Cluster, zero_copy: str) -> None:
+    """sender.zero_copy: rows handed to libzmq with no reference kept, or pyzmq's frames; rooms
+    big enough to fill the pipe (the sender waits at the high-water mark), then a clean stop."""
+    from transferd import zerocopy
+
+    assert zerocopy.available(), "libzmq not reachable through ctypes: the direct path is not exercised"
+    ep, dc, dpool = cluster.receiver(kv_pages=512)
+    pcs, spools = cluster.group("prefill0", 2, [ep], kv_pages=512, zero_copy=zero_copy, send_hwm=4)
+    for i, p in enumerate(spools):
+        fill_random(p, 70 + i)
+    before = [rows.copy() for rows in dpool.rows]
+    rooms = [make_room(400 + k, "prefill0", 120, 2, dst_start=120 * k, src_start=7 * k, slot=k, spools=spools)
+             for k in range(4)]
+    for r in rooms:
+        expect(dc, r)
+        submit_all(pcs, r)
+    st = dc.wait_many([(r.room, r.group) for r in rooms], 30)
+    assert [s.state for s in st] == [RoomState.SUCCESS] * 4
+    for r in rooms:
+        assert mismatches(r, dpool, spools, "pages", before) == 0
+    assert dc.stats()["shm_bytes"] == 0
