@@ -1373,8 +1373,8 @@ def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_pa
     run_dir = Path(tempfile.mkdtemp(prefix="transferd-bench-"))
     bench = _Bench(plan, quick, run_dir, tag, progress)
     if only:
-        bench.only = [g.strip() for g in only.split(",") if g.strip()]
         names = [n for n, _ in bench.subjects()] + [f"mooncake/{k}" for k in SIZES]  # mooncake: when importable
+        bench.only = [g.strip() for g in only.split(",") if g.strip()]
         unmatched = [g for g in bench.only if not any(fnmatch.fnmatchcase(n, g) for n in names)]
         if unmatched:
             shutil.rmtree(run_dir, ignore_errors=True)

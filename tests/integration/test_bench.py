@@ -141,3 +141,21 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "matplotlib" in proc.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_only_with_a_glob_that_matches_nothing_is_a_clear_error() -> None:
+    proc = subprocess.run([sys.executable, "-m", "transferd", "bench", "--quick", "--only", "bulk/*,nothing/*"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "'nothing/*' matches no subject" in proc.stderr and "raw_zmq/1MiB" in proc.stderr
+
+
+def test_only_measures_the_named_subjects_and_nothing_else() -> None:
+    proc = subprocess.run([sys.executable, "-m", "transferd", "bench", "--quick", "--repeats", "1", "--only",
+                           "memcpy/64KiB,bulk/64KiB", "--json", "-"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["limits"]["memcpy"]["64KiB"]["gbps"] > 0 and out["bulk"]["64KiB"]["gbps"] > 0
+    assert out["limits"]["memcpy"]["1MiB"]["gbps"] is None and out["limits"]["raw_zmq_tcp"]["64KiB"]["gbps"] is None
+    assert out["mismatched_bytes"] == 0 and out["rooms_failed"] == 0
