@@ -117,9 +117,9 @@ def run_ends(rows: tuple[int, ...]) -> np.ndarray:
     """``out[i]`` = end of the run of consecutive rows that starts at ``i``
     (``rows[i..out[i])`` are ``rows[i], rows[i]+1, …``)."""
     n = len(rows)
+    if n <= 1:  # most state lists and every one-page room: no numpy run search
+        return np.full(n, 1, dtype=np.int64)
     out = np.empty(n, dtype=np.int64)
-    if n == 0:
-        return out
     arr = np.asarray(rows, dtype=np.int64)
     breaks = np.nonzero(np.diff(arr) != 1)[0] + 1  # first index of each new run
     ends = np.append(breaks, n)
