@@ -240,3 +240,25 @@ def test_both_zero_copy_modes_are_byte_exact_over_tcp(cluster: Cluster, zero_cop
     for r in rooms:
         assert mismatches(r, dpool, spools, "pages", before) == 0
     assert dc.stats()["shm_bytes"] == 0
+
+
+def test_a_sender_stopped_with_rows_in_flight_exits_cleanly(cluster: Cluster) -> None:
+    """zero_copy = direct keeps no reference to the rows libzmq is sending (the sender unmaps its
+    pool only after the ZeroMQ context is gone): SIGTERM with the pipe full ends in exit 0, and
+    the decode side learns of the end."""
+    import signal
+
+    ep, dc, dpool = cluster.receiver(kv_pages=512, faults={"slow_receiver_ms": 20}, recv_hwm=4)
+    pcs, spools = cluster.group("prefill0", 1, [ep], kv_pages=512, send_hwm=64, drain_timeout_s=0.3,
+                                zero_copy="direct")
+    fill_random(spools[0], 5)
+    r = make_room(500, "prefill0", 400, 1, spools=spools)
+    expect(dc, r)
+    submit_all(pcs, r)
+    sender = cluster.proc("sender-prefill0-r0")
+    cluster.until(lambda: dc.stats()["bytes"].get("kv", 0) > 0, "the first rows to arrive", sender)
+    assert pcs[0].poll(r.room).state is RoomState.TRANSFERRING  # frames are in flight, more are queued
+    sender.proc.send_signal(signal.SIGTERM)
+    assert sender.proc.wait(20) == 0, sender.log.read_text()[-3000:]
+    st = dc.wait(r.room, r.group, 20)
+    assert st.state is RoomState.FAILED and st.code in ("shutdown", "peer_lost"), st
