@@ -35,7 +35,7 @@ from .protocol.engine import nonempty_str as _str
 from .protocol.engine import slot_map
 from .protocol.engine import u64 as _u64
 from .protocol.messages import (
-    PROTOCOL_VERSION, Assign, Data, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
+    PROTOCOL_VERSION, Assign, Data, DataBatch, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
     encode,
 )
 from .protocol.policy import RankPlan, SplitMode, group_plans
@@ -263,6 +263,18 @@ class Receiver(AgentBase):
         peer = self.peers.get(ident)
         if peer is not None:
             peer.last_seen = time.monotonic()
+        if isinstance(msg, DataBatch):
+            if len(frames) != 2 + len(msg.entries):
+                self._refuse("malformed", f"data-batch of {len(msg.entries)} entries with {len(frames) - 2} payload "
+                                          "frames", ident)
+                return
+            if peer is None:
+                self._refuse("unregistered", "data from an unregistered peer", ident)
+                self._nudge(ident)
+                return
+            for entry, frame in zip(msg.entries, frames[2:]):
+                self._on_data(peer, entry, frame.buffer)  # each exactly as a data message
+            return
         if isinstance(msg, (Data, DataRef, DataRefs)):
             want = 2 if isinstance(msg, DataRef) else 3
             if len(frames) != want:

@@ -32,8 +32,8 @@ from .pool import Pool, host_boot_id
 from .protocol.checksum import checksum_function
 from .protocol.engine import ints, slot_map, u64
 from .protocol.messages import (
-    PROTOCOL_VERSION, Assign, Data, DataRefs, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
-    encode,
+    MAX_BATCH_ENTRIES, PROTOCOL_VERSION, Assign, Data, DataBatch, DataRefs, Done, Fail, Ping, Pong, Register, Registered,
+    Status, decode_header, encode,
 )
 from .protocol.policy import RankPlan, SplitMode, rank_plan
 from .protocol.room import RoomState, RoomStatus, advance
@@ -92,6 +92,8 @@ class SendRoom:
     handed: bool = False  # something of this room was handed to ZeroMQ (frames may still read the pool)
     ending: RoomStatus | None = None  # failed here while frames may be in flight: waits for the receiver
     ending_since: float = 0.0
+    batch: list[tuple[Data, np.ndarray, bool]] = field(default_factory=list)  # small entries not yet sent
+    batch_bytes: int = 0
 
     @property
     def stopped(self) -> bool:
@@ -446,15 +448,16 @@ class SenderAgent(AgentBase):
         if not conn.link.try_send(frames):
             self.spawn(conn.link.send(frames), f"send {type(msg).__name__}")
 
-    async def _emit(self, room: SendRoom, frames: list[Any], rows: np.ndarray | None = None) -> bool:
+    async def _emit(self, room: SendRoom, frames: list[Any], rows: list[np.ndarray] | None = None) -> bool:
         """Send one message of a room, waiting while the pipe is full; False (nothing sent) when
         the room stopped meanwhile — nothing of a stopped room leaves after its fail message.
-        ``rows``: the payload is these rows of the pool, sent without pyzmq's reference keeping."""
+        ``rows``: the payload frames are these rows of the pool, sent without pyzmq's reference
+        keeping."""
         assert room.conn is not None
         link, zc = room.conn.link, room.conn.rows
         while True:
             if rows is not None and zc is not None:
-                sent = zc.try_send(frames[0], rows.ctypes.data, rows.nbytes)
+                sent = zc.try_send(frames[0], [(r.ctypes.data, r.nbytes) for r in rows])
                 link.kick()
             else:
                 sent = link.try_send(frames, copy=False)
@@ -484,6 +487,8 @@ class SenderAgent(AgentBase):
                     return
                 room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
                 await self._send_kv(room, chunk)
+                if not chunk.last:
+                    await self._flush(room)  # the next chunk may come much later
                 if chunk.last and not room.stopped:
                     await self._send_last(room, chunk)
         except (zmq.ZMQError, TransferdError) as exc:
@@ -510,9 +515,11 @@ class SenderAgent(AgentBase):
                 return "the last chunk names no aux slot (rank 0 sends the aux row)"
         return None
 
-    async def _send(self, room: SendRoom, kind: int, buffer: int, pos: int, count: int, src_row: int) -> None:
-        assert room.conn is not None and room.assign is not None and self.pool is not None
-        room.handed = True
+    def _piece(self, room: SendRoom, kind: int, buffer: int, pos: int, count: int,
+               src_row: int) -> tuple[Data, np.ndarray, bool] | None:
+        """One data entry: its header fields and payload rows (a copy only for a corrupting
+        fault); None when a fault drops it."""
+        assert room.assign is not None and self.pool is not None
         payload = self.pool.rows[buffer][src_row:src_row + count]
         csum = self.checksum(payload) if self.checksum is not None else None
         copied = False
@@ -520,20 +527,53 @@ class SenderAgent(AgentBase):
             x = self._fault_rng.random()
             if x < self.faults.drop_frames:
                 self.acct.dropped["fault_drop_frame"] += 1
-                return
+                return None
             if x < self.faults.drop_frames + self.faults.corrupt_frames:
                 self.acct.dropped["fault_corrupt_frame"] += 1
                 payload, copied = payload.copy(), True
                 flat = payload.reshape(-1)
                 flat[self._fault_rng.randrange(flat.size)] ^= 0xFF
-        header = encode(Data(room.assign.tok, kind, buffer, pos, count, csum))
-        # rows of the pool go out with no reference kept (zerocopy.py); a fault's corrupted copy
-        # (and every payload where libzmq is not reachable) as a pyzmq frame — a memoryview, not
-        # the ndarray: pyzmq formats repr() of what it queues (~30 µs for an array)
-        if not await self._emit(room, [header, payload.data], rows=None if copied else payload):
+        return Data(room.assign.tok, kind, buffer, pos, count, csum), payload, copied
+
+    async def _send(self, room: SendRoom, kind: int, buffer: int, pos: int, count: int, src_row: int) -> None:
+        """Rows of one run: a message of their own when they fill at least half a message,
+        otherwise an entry of the room's batch (sent when full, at a chunk's end and before done)."""
+        assert room.conn is not None and self.pool is not None
+        room.handed = True
+        nbytes = count * self.layout.buffers[buffer].row_bytes
+        cap = self.scfg.max_message_bytes
+        if 2 * nbytes > cap:
+            piece = self._piece(room, kind, buffer, pos, count, src_row)
+            if piece is not None:
+                await self._emit_pieces(room, [piece])
             return
-        self.acct.add(KINDS[kind], payload.nbytes)
-        room.sent += payload.nbytes
+        if room.batch and (room.batch_bytes + nbytes > cap or len(room.batch) >= MAX_BATCH_ENTRIES):
+            await self._flush(room)
+            if room.stopped:
+                return
+        piece = self._piece(room, kind, buffer, pos, count, src_row)
+        if piece is not None:
+            room.batch.append(piece)
+            room.batch_bytes += nbytes
+
+    async def _flush(self, room: SendRoom) -> None:
+        pieces, room.batch, room.batch_bytes = room.batch, [], 0
+        if pieces and not room.stopped:
+            await self._emit_pieces(room, pieces)
+
+    async def _emit_pieces(self, room: SendRoom, pieces: list[tuple[Data, np.ndarray, bool]]) -> None:
+        assert room.assign is not None
+        entries = tuple(d for d, _, _ in pieces)
+        header = encode(entries[0] if len(entries) == 1 else DataBatch(room.assign.tok, entries))
+        # rows of the pool go out with no reference kept (zerocopy.py); a fault's corrupted copy
+        # (and every payload where libzmq is not reachable) as pyzmq frames — memoryviews, not
+        # ndarrays: pyzmq formats repr() of what it queues (~30 µs for an array)
+        rows = None if any(c for _, _, c in pieces) else [p for _, p, _ in pieces]
+        if not await self._emit(room, [header, *(p.data for _, p, _ in pieces)], rows=rows):
+            return
+        for d, payload, _ in pieces:
+            self.acct.add(KINDS[d.kind], payload.nbytes)
+            room.sent += payload.nbytes
 
     async def _send_refs(self, room: SendRoom, kind: int, buffer: int, pos: int, src_rows: np.ndarray) -> None:
         """Same host: name the rows, the receiver copies them out of this pool after its checks."""
@@ -600,6 +640,7 @@ class SenderAgent(AgentBase):
                 await self._send_refs(room, 2, self.layout.aux_index, 0, np.array([chunk.aux_slot]))
             else:
                 await self._send(room, 2, self.layout.aux_index, 0, 1, chunk.aux_slot)
+        await self._flush(room)
         if room.stopped:
             return
         room.handed = True

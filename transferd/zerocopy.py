@@ -77,18 +77,20 @@ class PoolSender:
         self.handle = ctypes.c_void_p(sock.underlying)
         self.msg = ctypes.create_string_buffer(ZMQ_MSG_T_BYTES)
 
-    def try_send(self, header: bytes, addr: int, nbytes: int) -> bool:
-        """Send without waiting; False (nothing sent) when the high-water mark holds it back."""
+    def try_send(self, header: bytes, parts: list[tuple[int, int]]) -> bool:
+        """Send ``header`` then one frame per ``(address, nbytes)`` without waiting; False
+        (nothing sent) when the high-water mark holds the message back."""
         try:
             self.sock.send(header, zmq.SNDMORE | zmq.DONTWAIT)
         except zmq.Again:
             return False
-        lib, msg = self.lib, self.msg
-        lib.zmq_msg_init_data(msg, addr, nbytes, None, None)
-        # the second part of a message whose first part was taken is never refused for the
-        # high-water mark (libzmq counts whole messages)
-        if lib.zmq_msg_send(msg, self.handle, zmq.DONTWAIT) < 0:
-            err = lib.zmq_errno()
-            lib.zmq_msg_close(msg)
-            raise zmq.ZMQError(err)
+        lib, msg, last = self.lib, self.msg, len(parts) - 1
+        for i, (addr, nbytes) in enumerate(parts):
+            lib.zmq_msg_init_data(msg, addr, nbytes, None, None)
+            # later parts of a message whose first part was taken are never refused for the
+            # high-water mark (libzmq counts whole messages)
+            if lib.zmq_msg_send(msg, self.handle, zmq.DONTWAIT | (zmq.SNDMORE if i < last else 0)) < 0:
+                err = lib.zmq_errno()
+                lib.zmq_msg_close(msg)
+                raise zmq.ZMQError(err)
         return True

@@ -1175,3 +1175,59 @@ def test_scattered_data_refs_complete_a_room_byte_exact(guard: Env) -> None:
     assert st.state is RoomState.SUCCESS, st
     r.check_pool()
     env.dc.release(r.room, group)
+
+
+# -- data batches (several small entries of one room in one message) ---------------------------
+
+def _batch(r: FakeRoom, entries: list[tuple[int, int, int, int]], *, frames: int | None = None) -> None:
+    payloads = [r.rows(b, pos, count) for _, b, pos, count in entries]
+    r.fake.send(pack([4, r.tok, [list(e) for e in entries]]), *payloads[:frames])
+
+
+def test_a_data_batch_completes_a_room_byte_exact(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env)
+    r = open_room(env, fake, group)
+    L = r.layout
+    entries = [(KV, b, 0, r.n) for b in L.indices("kv")]
+    entries += [(STATE, b, 0, len(r.slots[L.buffers[b].component])) for b in L.indices("state")]
+    entries.append((AUX, L.aux_index, 0, 1))
+    _batch(r, entries)
+    for kind, b, pos, count in entries:
+        dst = r.dst if kind == KV else r.slots[L.buffers[b].component] if kind == STATE else [r.aux]
+        r.want[b][dst[pos:pos + count]] = r.src[b][pos:pos + count]
+    r.done()
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_a_data_batch_short_of_payload_frames_is_refused_and_writes_nothing(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env)
+    r = open_room(env, fake, group)
+    kv0 = _kv0(r)
+    before, logs = env.refused(), env.log_lines("malformed")
+    _batch(r, [(KV, kv0, 0, 1), (KV, kv0, 1, 1)], frames=1)
+    assert_refused_once(env, before, logs, "malformed")
+    r.check_pool()
+    r.send_all()  # the room is still live and completes honestly
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_a_bad_entry_in_a_data_batch_fails_the_room_and_later_entries_are_not_written(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env)
+    r = open_room(env, fake, group)
+    kv0 = _kv0(r)
+    before, logs = env.refused(), env.log_lines("duplicate")
+    # entry 2 repeats entry 1's position: the room fails there; entry 3 is dropped, never written
+    _batch(r, [(KV, kv0, 0, 2), (KV, kv0, 1, 1), (KV, kv0, 2, 2)])
+    r.want[kv0][r.dst[0:2]] = r.src[kv0][0:2]
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "duplicate", st
+    assert_refused_once(env, before, logs, "duplicate")
+    r.check_pool()
+    env.dc.release(r.room, group)

@@ -364,6 +364,27 @@ def test_data_refs_round_trip_and_limits() -> None:
             decode_header(bad)
 
 
+def test_data_batch_round_trip_and_limits() -> None:
+    from transferd.protocol.messages import MAX_BATCH_ENTRIES, DataBatch
+
+    m = DataBatch(9, (Data(9, 0, 1, 2, 3), Data(9, 2, 4, 0, 1, checksum=77)))
+    assert decode_header(encode(m)) == m
+    entry = [0, 1, 2, 3]
+    for bad, why in [
+        (msgpack.packb([4, 9, [entry]]), "data-batch with 1 entries"),
+        (msgpack.packb([4, 9, [entry] * (MAX_BATCH_ENTRIES + 1)]), f"with {MAX_BATCH_ENTRIES + 1} entries"),
+        (msgpack.packb([4, 9, entry]), "data-batch entry must be"),
+        (msgpack.packb([4, 9, [entry, [0, 1, 2]]]), "data-batch entry must be"),
+        (msgpack.packb([4, 9, [entry, [0, 1, 2, True]]]), "data-batch entry must be"),
+        (msgpack.packb([4, 9, [entry, [3, 1, 2, 3]]]), "data header fields out of range"),
+        (msgpack.packb([4, 9, [entry, [0, 1, 2, 0]]]), "data header fields out of range"),
+        (msgpack.packb([4, -1, [entry, entry]]), "data-batch token out of range"),
+        (msgpack.packb([4, 9]), "data-batch header must be"),
+    ]:
+        with pytest.raises(DecodeError, match=why):
+            decode_header(bad)
+
+
 def test_data_header_limits_inclusive() -> None:
     assert decode_header(_data(1, U64_MAX, 1, (1 << 20) - 1, (1 << 40) - 1, (1 << 32) - 1)) == Data(
         U64_MAX, 1, (1 << 20) - 1, (1 << 40) - 1, (1 << 32) - 1

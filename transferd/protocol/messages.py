@@ -19,13 +19,16 @@ from ..errors import DecodeError, VersionMismatch
 # History:
 #   1 — first version: register/registered, assign, data, data-ref, done, fail, status, ping/pong.
 #   2 — data-refs: same-host rows listed one by one in a second frame (scattered pages in one
-#       message); a version-1 receiver would refuse them, so the versions do not mix.
+#       message); data batches: several small data entries, one payload frame each, in one
+#       message. A version-1 receiver would refuse both, so the versions do not mix.
 PROTOCOL_VERSION = 2
 
 MAX_CP_SIZE = 1024
 DATA_TAG = 1
 DATA_REF_TAG = 2
 DATA_REFS_TAG = 3
+DATA_BATCH_TAG = 4
+MAX_BATCH_ENTRIES = 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # an assign for a very long room still fits; more is hostile
 U64_MAX = (1 << 64) - 1
 
@@ -196,6 +199,20 @@ class Data:
 
 
 @dataclass(frozen=True, slots=True)
+class DataBatch:
+    """Sender → receiver: several data entries of one room in one message, for rows too small to
+    fill a message alone. Header ``[4, tok, [[kind, buffer, pos, count(, checksum)], …]]`` (2 to
+    ``MAX_BATCH_ENTRIES`` entries), then one payload frame per entry, in order. Each entry is
+    checked and written exactly as a :class:`Data` message would be."""
+
+    tok: int
+    entries: tuple[Data, ...]
+
+    def header(self) -> list[Any]:
+        return [DATA_BATCH_TAG, self.tok, [d.header()[2:] for d in self.entries]]
+
+
+@dataclass(frozen=True, slots=True)
 class DataRef:
     """Sender → receiver on the same host: like :class:`Data`, but instead of a payload frame the
     receiver copies ``count`` rows starting at ``src_row`` of the same buffer of the sender's pool
@@ -327,7 +344,7 @@ class Pong:
 
 
 Control = Union[Register, Registered, Assign, Done, Fail, Status, Ping, Pong]
-Message = Union[Control, Data, DataRef, DataRefs]
+Message = Union[Control, Data, DataRef, DataRefs, DataBatch]
 
 CONTROL_TYPES: dict[str, Any] = {
     c.T: c for c in (Register, Registered, Assign, Done, Fail, Status, Ping, Pong)
@@ -336,6 +353,13 @@ CONTROL_TYPES: dict[str, Any] = {
 
 def encode(msg: Message) -> bytes:
     return msgpack.packb(msg.header(), use_bin_type=True)
+
+
+def _data_fields(tok: int, kind: int, buf: int, pos: int, count: int, csum: int | None, obj: Any) -> Data:
+    if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
+            and 1 <= count < 1 << 32 and (csum is None or 0 <= csum <= U64_MAX)):
+        raise DecodeError(f"data header fields out of range: {obj}")
+    return Data(tok, kind, buf, pos, count, csum)
 
 
 def decode_header(frame: bytes | memoryview) -> Message:
@@ -355,6 +379,20 @@ def decode_header(frame: bytes | memoryview) -> Message:
                 and 1 <= count < 1 << 32 and 0 <= src_row < 1 << 40):
             raise DecodeError(f"data-ref header fields out of range: {obj}")
         return DataRef(tok, kind, buf, pos, count, src_row)
+    if isinstance(obj, list) and obj and obj[0] == DATA_BATCH_TAG:
+        if len(obj) != 3 or type(obj[1]) is not int or not isinstance(obj[2], list):
+            raise DecodeError("data-batch header must be [4, tok, [[kind, buffer, pos, count(, checksum)], ...]]")
+        tok, raw = obj[1], obj[2]
+        if not 0 <= tok <= U64_MAX:
+            raise DecodeError(f"data-batch token out of range: {tok}")
+        if not 2 <= len(raw) <= MAX_BATCH_ENTRIES:
+            raise DecodeError(f"data-batch with {len(raw)} entries (2 to {MAX_BATCH_ENTRIES})")
+        entries = []
+        for e in raw:
+            if not isinstance(e, list) or len(e) not in (4, 5) or not all(type(x) is int for x in e):
+                raise DecodeError("data-batch entry must be [kind, buffer, pos, count(, checksum)] of ints")
+            entries.append(_data_fields(tok, e[0], e[1], e[2], e[3], e[4] if len(e) == 5 else None, e))
+        return DataBatch(tok, tuple(entries))
     if isinstance(obj, list) and obj and obj[0] == DATA_REFS_TAG:
         if len(obj) != 6 or not all(type(x) is int for x in obj):
             raise DecodeError("data-refs header must be [3, tok, kind, buffer, pos, count] of ints")
@@ -367,11 +405,7 @@ def decode_header(frame: bytes | memoryview) -> Message:
         if len(obj) not in (6, 7) or obj[0] != DATA_TAG or not all(type(x) is int for x in obj):
             raise DecodeError("data header must be [1, tok, kind, buffer, pos, count(, checksum)] of ints")
         tok, kind, buf, pos, count = obj[1:6]
-        csum = obj[6] if len(obj) == 7 else None
-        if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
-                and 1 <= count < 1 << 32 and (csum is None or 0 <= csum <= U64_MAX)):
-            raise DecodeError(f"data header fields out of range: {obj}")
-        return Data(tok, kind, buf, pos, count, csum)
+        return _data_fields(tok, kind, buf, pos, count, obj[6] if len(obj) == 7 else None, obj)
     if not isinstance(obj, dict):
         raise DecodeError(f"header must be a map or a data array, not {type(obj).__name__}")
     t = obj.get("t")
