@@ -50,7 +50,7 @@ class Conn:
     endpoint: str
     sock: zmq.Socket[Any]
     link: LoopSocket
-    rows: PoolSender | None = None  # zero-copy rows without pyzmq's reference keeping (zerocopy.py)
+    rows: zerocopy.PoolSender | None = None  # zero-copy rows without pyzmq's reference keeping (zerocopy.py)
     state: str = "registering"  # registering | registered | refused
     receiver: str = ""
     receiver_inc: int = 0
