@@ -11,12 +11,10 @@
 * **small rooms** — one page and the aux row: latency (expect → Success, from the decode engine's
   view, the prefill engine having submitted first) and rooms/s with many rooms in flight, at
   cp_size 1 and 8.
-* **de-dup** — ``configs/deepseek-cp8.toml``, a typical room: wire bytes from the daemons' own
-  counters with the de-dup on (real groups of cp 1, 2, 4, 8) and what "off" sends (wire bytes +
-  ``state_bytes_skipped``: exactly the replicated state every other rank would have shipped); the
-  time with de-dup on, and with it off as an emulation (cp single-rank groups, each shipping its
-  KV slice and the whole state, concurrently into the same receiver), the measured cut beside the
-  analytic one.
+* **de-dup** — ``configs/deepseek-cp8.toml``, a typical room from real groups of cp 1, 2, 4, 8 with
+  the de-dup on and (cp > 1) with it off (``sender.dedup = false``: every rank ships the replicated
+  state): wire bytes from the daemons' own counters and the time of the room, the measured cut
+  beside the analytic one.
 * **peers** — Mooncake Transfer Engine's TCP transport when it is importable.
 
 Each subject is measured once per round; every round runs the subjects in a new shuffled order
@@ -57,7 +55,7 @@ from .launcher import die_with_parent
 from .layout import ModelSpec, PoolLayout
 from .malloc import keep_message_buffers_mapped
 from .pool import Pool, shm_dir
-from .protocol.policy import SplitMode, contiguous_slice, group_plans
+from .protocol.policy import SplitMode, group_plans
 from .protocol.room import RoomState
 
 log = logging.getLogger(__name__)
@@ -268,7 +266,6 @@ class _Bench:
         self.clusters: dict[str, _Cluster] = {}
         self.bulk: dict[str, _Cluster] = {}
         self.ds: _Cluster | None = None
-        self.solo: list[_Group] = []  # de-dup "off" emulation: ds1 + solo1..solo7, single-rank groups
         self.lim_pool: Pool | None = None
         self.raw: subprocess.Popen[bytes] | None = None
         self.raw_ctx: zmq.Context[Any] | None = None
@@ -325,8 +322,9 @@ class _Bench:
         self.clusters[name] = c
         return c
 
-    def _group(self, c: _Cluster, name: str, cp: int, same_host: bool = False) -> _Group:
-        env = {**c.env, "TRANSFERD_SENDER_GROUP": name, "TRANSFERD_SENDER_CP_SIZE": str(cp)}
+    def _group(self, c: _Cluster, name: str, cp: int, same_host: bool = False, dedup: bool = True) -> _Group:
+        env = {**c.env, "TRANSFERD_SENDER_GROUP": name, "TRANSFERD_SENDER_CP_SIZE": str(cp),
+               "TRANSFERD_SENDER_DEDUP": "true" if dedup else "false"}
         if HAS_SAME_HOST:  # TCP loopback unless this group is the same-host one
             env["TRANSFERD_SENDER_SAME_HOST"] = "auto" if same_host else "off"
         g = _Group(name, cp, load(c.cfg_path, env=env))
@@ -408,9 +406,8 @@ class _Bench:
                 self._group(c, f"s{c.name[4:]}", 1, same_host=True)
         for cp in DEDUP_CPS:
             self._group(self.ds, f"ds{cp}", cp)
-        for r in range(1, 8):
-            self._group(self.ds, f"solo{r}", 1)
-        self.solo = [self.ds.groups["ds1"]] + [self.ds.groups[f"solo{r}"] for r in range(1, 8)]
+        for cp in DEDUP_CPS[1:]:  # the same groups with the de-dup off: every rank ships the state
+            self._group(self.ds, f"dsoff{cp}", cp, dedup=False)
         # meanwhile: the limits' source bytes, and the destination touched once (no first-touch faults)
         f = _Filler(7)
         f.rows(self.lim_pool.rows[0], range(self.lim_pool.rows[0].shape[0]))
@@ -491,9 +488,9 @@ class _Bench:
                 g.src_pages.append(perm)
                 for b in layout.indices("kv"):
                     f.rows(pool.rows[b], range(kv_rows))
-                if r == 0:  # only rank 0 (every single-rank group) sends state; slot 0 is the room's
-                    for b in layout.indices("state"):
-                        f.rows(pool.rows[b], [0])
+                fs = _Filler(5000 + gi)  # the replicated state: the same bytes on every rank of a group
+                for b in layout.indices("state"):
+                    fs.rows(pool.rows[b], [0])  # slot 0 is the room's
         self.ds.dst_perm = rng.permutation(layout.kv_rows)
 
     # -- verification --------------------------------------------------------------------
@@ -515,7 +512,7 @@ class _Bench:
         assert c.dpool is not None
         lay = c.layout
         bad = 0
-        for plan in group_plans(lay, g.cp, SplitMode.PAGES, len(dst), 0):
+        for plan in group_plans(lay, g.cp, SplitMode.PAGES, len(dst), 0, g.cfg.sender.dedup):
             sp = g.pools[plan.rank]
             lo, hi = plan.kv_range
             for b in plan.kv_buffers:
@@ -648,9 +645,16 @@ class _Bench:
         return {comp: [slot] for comp in self.ds.layout.state_components}  # type: ignore[union-attr]
 
     def dedup_on(self, cp: int) -> dict[str, Any]:
+        return self._dedup_room(f"ds{cp}")
+
+    def dedup_off(self, cp: int) -> dict[str, Any]:
+        """The same room from a group with ``sender.dedup = false``: every rank ships the state."""
+        return self._dedup_room(f"dsoff{cp}")
+
+    def _dedup_room(self, name: str) -> dict[str, Any]:
         c = self.ds
         assert c is not None and c.dc is not None
-        g = c.groups[f"ds{cp}"]
+        g = c.groups[name]
         n = c.cfg.demo.pages_per_room
         R = self.plan.dedup_rooms
         rooms = []
@@ -672,37 +676,6 @@ class _Bench:
         self._release(c, [(g.name, room) for room, _ in rooms])
         return {"seconds": dt / R if ok == R else None, "wire": after[0] - before[0], "skipped": after[1] - before[1],
                 "rooms": R}
-
-    def dedup_off(self, cp: int) -> dict[str, Any]:
-        """De-dup off, emulated without a data-path switch: ``cp`` single-rank groups, each shipping
-        its rank's KV slice of the room and the whole replicated state, concurrently."""
-        c = self.ds
-        assert c is not None and c.dc is not None
-        n = c.cfg.demo.pages_per_room
-        R = self.plan.dedup_rooms
-        groups = self.solo[:cp]
-        rooms: list[tuple[_Group, int, int, np.ndarray, int, int]] = []
-        for j in range(R):
-            dst_room = c.dst_perm[j * n:(j + 1) * n]
-            for r, g in enumerate(groups):
-                a, b = contiguous_slice(n, cp, r)
-                room = self.room_id()
-                _guard(g.pools[0], j, room)
-                g.pcs[0].submit(room, 0, g.src_pages[0][a:b].tolist(), last=True, state=self._ds_state(0), aux_slot=j)
-                rooms.append((g, room, a, dst_room[a:b], j * cp + r, j))
-        g0, _, a0, dst0, slot0, _ = rooms[0]
-        self._poison(c, dst0, self._ds_state(slot0), slot0)
-        before = self._sent(groups)
-        t0 = time.perf_counter()
-        for g, room, a, dst, slot, j in rooms:
-            c.dc.expect(room, g.name, dst.tolist(), aux_slot=slot, state=self._ds_state(slot))
-        ok = self._wait_all(c, [(g.name, room) for g, room, *_ in rooms])
-        dt = time.perf_counter() - t0
-        after = self._sent(groups)
-        a, b = contiguous_slice(n, cp, 0)
-        self._verify(c, g0, dst0, [g0.src_pages[0][a:b]], self._ds_state(slot0), self._ds_state(0), slot0, 0)
-        self._release(c, [(g.name, room) for g, room, *_ in rooms])
-        return {"seconds": dt / R if ok == len(rooms) else None, "wire": after[0] - before[0], "rooms": R}
 
     def small(self, cp: int) -> dict[str, Any]:
         c = self.ds
@@ -995,12 +968,11 @@ class _Bench:
             "aux_bytes_per_room": aux, "state_kv_ratio": _r(st / kv, 6), "rooms_per_measurement": self.plan.dedup_rooms,
             "production_cut_cp8": PRODUCTION_CUT_CP8,
             "layout_cut_cp8_no_aux": _r(7 * st / (kv + 8 * st), 6),
-            "method": ("wire bytes from the senders' own counters. on: real groups with the de-dup. off bytes: "
-                       "wire + state_bytes_skipped (exactly the replicated state the other ranks would have "
-                       "sent). off time: emulated — transferd has no switch to turn the de-dup off — by cp "
-                       "single-rank groups, each shipping its rank's KV slice and the whole state, concurrently "
-                       "into the same receiver (it also ships cp - 1 extra aux rows of 64 B). Measured cut = "
-                       "skipped / (wire + skipped); analytic cut = (cp-1)·S / (KV + cp·S + aux) from the layout."),
+            "method": ("the same room from two real groups of cp ranks into the same receiver: one with the "
+                       "de-dup (sender.dedup = true, the default), one without (sender.dedup = false: every rank "
+                       "ships the replicated state). Wire bytes from the senders' own counters; measured cut = "
+                       "(off - on) / off; analytic cut = (cp-1)·S / (KV + cp·S + aux) from the layout. At cp 1 "
+                       "there is nothing to de-duplicate: off is the on group."),
         }
         for cp in DEDUP_CPS:
             on = res.get(f"dedup_on/{cp}", [])
@@ -1010,24 +982,26 @@ class _Bench:
             t_on = med(f"dedup_on/{cp}", "seconds")
             off_name = f"dedup_off/{cp}" if cp > 1 else f"dedup_on/{cp}"
             t_off = med(off_name, "seconds")
-            off_runs = res.get(f"dedup_off/{cp}", [])
-            off_wire_emul = sum(r["wire"] for r in off_runs)
+            off_runs = res.get(off_name, [])
+            off_wire = sum(r["wire"] for r in off_runs)
             off_rooms = sum(r["rooms"] for r in off_runs)
+            on_b = wire // rooms if rooms else None
+            off_b = off_wire // off_rooms if off_rooms else None
             dedup[f"cp{cp}"] = {
-                "cp_size": cp, "rooms": rooms,
-                "wire_bytes_on": wire // rooms if rooms else None,
-                "wire_bytes_off": (wire + skipped) // rooms if rooms else None,
-                "wire_mb_on": _r((wire / rooms) / 1e6, 3) if rooms else None,
-                "wire_mb_off": _r(((wire + skipped) / rooms) / 1e6, 3) if rooms else None,
+                "cp_size": cp, "rooms": rooms, "rooms_off": off_rooms,
+                "wire_bytes_on": on_b,
+                "wire_bytes_off": off_b,
+                "wire_mb_on": _r(on_b / 1e6, 3) if on_b is not None else None,
+                "wire_mb_off": _r(off_b / 1e6, 3) if off_b is not None else None,
                 "state_bytes_skipped": skipped // rooms if rooms else None,
-                "measured_cut": skipped / (wire + skipped) if wire + skipped else None,
+                "measured_cut": (off_b - on_b) / off_b if on_b is not None and off_b else None,
                 "analytic_cut": (cp - 1) * st / (kv + cp * st + aux),
                 "time_ms_on": _r(t_on * 1e3 if t_on else None, 2),
                 "time_ms_off": _r(t_off * 1e3 if t_off else None, 2),
                 "time_on_vs_off": _r(paired(f"dedup_on/{cp}", off_name, "seconds", "seconds"), 3),
                 "gbps_on": _r((wire / rooms) / t_on / 1e9 if rooms and t_on else None, 3),
-                "off_time": "emulated" if cp > 1 else "same as on (nothing to de-duplicate at cp 1)",
-                "off_emulated_wire_bytes": off_wire_emul // off_rooms if off_rooms else None,
+                "off": "measured: a group with sender.dedup = false" if cp > 1 else
+                       "the on group (nothing to de-duplicate at cp 1)",
             }
         ratios = {
             "tcp_vs_raw_zmq": by_size.get("1MiB"),
@@ -1264,7 +1238,7 @@ def format_table(out: dict[str, Any]) -> str:
     lines.append(f"CP de-dup, {d['config']} ({d['model']}): a {d['room_tokens']}-token room, KV "
                  f"{d['kv_bytes_per_room'] / 1e6:.2f} MB, replicated state {d['state_bytes_per_room'] / 1e6:.2f} MB "
                  f"(S/KV {d['state_kv_ratio']:.4f})")
-    lines.append("  cp  wire MB off  wire MB on   cut measured  cut analytic   ms off*   ms on   on/off   (ms per room, "
+    lines.append("  cp  wire MB off  wire MB on   cut measured  cut analytic    ms off   ms on   on/off   (ms per room, "
                  "expect → Success)")
     for cp in DEDUP_CPS:
         e = d[f"cp{cp}"]
@@ -1274,8 +1248,8 @@ def format_table(out: dict[str, Any]) -> str:
                      f"{_f(e['time_ms_off'], '{:.1f}').rjust(8)}  {_f(e['time_ms_on'], '{:.1f}').rjust(6)}  "
                      f"{_f(e['time_on_vs_off']).rjust(7)}")
     lines.append(f"  production figure at cp 8: {100 * d['production_cut_cp8']:.2f} %; this layout without the aux "
-                 f"row: {100 * d['layout_cut_cp8_no_aux']:.4f} %. *off time emulated (no de-dup switch), off bytes "
-                 "exact from counters")
+                 f"row: {100 * d['layout_cut_cp8_no_aux']:.4f} %. off: the same room from a group with "
+                 "sender.dedup = false; bytes from the senders' counters")
     lines.append("")
     lines.append("targets:")
     for name, t in out["targets"].items():
@@ -1329,7 +1303,7 @@ def plot(out: dict[str, Any], path: str) -> None:
     ax2.legend()
     t_off = [d[f"cp{c}"]["time_ms_off"] or 0 for c in cps]
     t_on = [d[f"cp{c}"]["time_ms_on"] or 0 for c in cps]
-    ax3.bar(x - 0.2, t_off, 0.4, label="de-dup off (emulated)")
+    ax3.bar(x - 0.2, t_off, 0.4, label="de-dup off")
     ax3.bar(x + 0.2, t_on, 0.4, label="de-dup on")
     ax3.set_xticks(x, [f"cp {c}" for c in cps])
     ax3.set_ylabel("ms per room (expect → Success)")

@@ -107,6 +107,7 @@ class SenderConfig:
     same_host: str = "auto"  # offer this pool to a receiver on the same host ("auto") or never ("off")
     shm_message_bytes: int = 16 << 20  # rows per data-refs message on the same-host path
     zero_copy: str = "direct"  # "direct": rows handed to libzmq with no reference kept; "pyzmq": pyzmq frames
+    dedup: bool = True  # pages split: only rank 0 sends the replicated state; false: every rank does (the group agrees)
     drain_timeout_s: float = 30.0
     metrics_bind: str = "127.0.0.1:9470"  # Prometheus endpoint; the CP rank is added to the port
     curve_secret_key: str = ""  # this sender's CURVE key pair; "" = no encryption

@@ -235,6 +235,11 @@ def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupted)
+    if not base.sender.dedup:
+        print("transferd demo: sender.dedup = false is a comparison setting (transferd bench measures it); the demo's "
+              "engines hold different state on each rank and check exactly-once delivery, so it runs with the de-dup on",
+              file=sys.stderr)
+        return 2
     faults = [parse_fault(f, base.sender.cp_size) for f in fault_specs or []]
     with tempfile.TemporaryDirectory(prefix="transferd-demo-") as run_dir:
         env = child_env(cfg_path, base, run_dir, tag, faults)

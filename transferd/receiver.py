@@ -72,6 +72,7 @@ class Group:
     name: str
     cp_size: int
     split: SplitMode
+    dedup: bool = True
     ranks: dict[int, bytes] = field(default_factory=dict)
 
 
@@ -91,6 +92,11 @@ class DecodeRoom:
     @property
     def key(self) -> tuple[str, int]:
         return (self.req.group, self.req.room)
+
+
+def _settle_none(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> None:
@@ -354,13 +360,15 @@ class Receiver(AgentBase):
                    f"{self.rcfg.max_frame_bytes}", "frame_limit")
             return
         group = self.groups.get(msg.group)
-        if group is not None and (group.cp_size != msg.cp_size or group.split is not split):
-            refuse(f"group {msg.group} is registered with cp_size {group.cp_size} split {group.split.value}; "
-                   f"rank {msg.rank} says cp_size {msg.cp_size} split {split.value}", "inconsistent_group")
+        if group is not None and (group.cp_size != msg.cp_size or group.split is not split
+                                  or group.dedup != msg.dedup):
+            refuse(f"group {msg.group} is registered with cp_size {group.cp_size} split {group.split.value} "
+                   f"dedup {'on' if group.dedup else 'off'}; rank {msg.rank} says cp_size {msg.cp_size} split "
+                   f"{split.value} dedup {'on' if msg.dedup else 'off'}", "inconsistent_group")
             return
         src_pool = self._same_host_pool(msg)
         if group is None:
-            group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split)
+            group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split, msg.dedup)
         old_ident = group.ranks.get(msg.rank)
         now = time.monotonic()
         known = self.peers.get(ident)
@@ -538,9 +546,9 @@ class Receiver(AgentBase):
     # -- room management -----------------------------------------------------------------
     def _assign(self, room: DecodeRoom, group: Group, rank: int) -> None:
         if room.tracker is None:
-            key = (group.cp_size, group.split, len(room.req.dst_pages), room.req.prefix)
+            key = (group.cp_size, group.split, len(room.req.dst_pages), room.req.prefix, group.dedup)
             plans = self._plans.get(key)
-            if plans is None:  # plans depend only on these four numbers: most rooms reuse one
+            if plans is None:  # plans depend only on these five values: most rooms reuse one
                 if len(self._plans) > 4096:
                     self._plans.clear()
                 plans = self._plans[key] = group_plans(self.layout, *key)
@@ -568,13 +576,21 @@ class Receiver(AgentBase):
         else:
             log.debug("%s: room %s/%d succeeded in %.3fs", self.name, room.req.group, room.req.room,
                       room.finished - room.created)
-        for ident in room.assigned.values():
-            if ident in self.peers:
-                self._send(ident, Status(room.tok, room.req.room, new.state.value, new.code, new.reason))
         for fut in room.waiters:
             if not fut.done():
                 fut.set_result(None)
         room.waiters.clear()
+        # the senders hear of it right after the waiting engines' answers have gone out (their
+        # tasks were woken first): the engine's latency does not include these sends
+        status = Status(room.tok, room.req.room, new.state.value, new.code, new.reason)
+        idents = list(room.assigned.values())
+        assert self.loop is not None
+        self.loop.call_soon(self._tell_senders, idents, status)
+
+    def _tell_senders(self, idents: list[bytes], status: Status) -> None:
+        for ident in idents:
+            if ident in self.peers:
+                self._send(ident, status)
 
     async def _tick_loop(self) -> None:
         """Heartbeats and the room clocks. Three separate clocks: a sender silent for
@@ -676,11 +692,16 @@ class Receiver(AgentBase):
     async def wait(self, group: str, room_id: int, timeout_s: float) -> RoomStatus:
         room = self._room({"group": group, "room": room_id})
         if not room.status.state.terminal:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
             room.waiters.append(fut)
+            # a timer rather than asyncio.wait_for: the room's end wakes this task directly (one
+            # loop step, not three), and the answer leaves before anything else the end causes
+            timer = loop.call_later(timeout_s, _settle_none, fut)
             try:
-                await asyncio.wait_for(fut, timeout_s)
-            except asyncio.TimeoutError:
+                await fut
+            finally:
+                timer.cancel()
                 if fut in room.waiters:
                     room.waiters.remove(fut)
         return room.status
@@ -753,7 +774,7 @@ class Receiver(AgentBase):
             "role": "receiver", "name": self.rcfg.name, "host": socket.gethostname(), "pid": os.getpid(),
             "data_endpoint": self.data_endpoint, "layout_fingerprint": self.layout.fingerprint(),
             "groups": {
-                g.name: {"cp_size": g.cp_size, "split": g.split.value, "ranks": {
+                g.name: {"cp_size": g.cp_size, "split": g.split.value, "dedup": g.dedup, "ranks": {
                     str(rank): {"incarnation": self.peers[i].incarnation, "pid": self.peers[i].pid,
                                 "host": self.peers[i].host, "last_seen_s": round(now - self.peers[i].last_seen, 3)}
                     for rank, i in sorted(g.ranks.items()) if i in self.peers}}

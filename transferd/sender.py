@@ -224,7 +224,8 @@ class SenderAgent(AgentBase):
                                        self.layout.fingerprint(), self.layout.to_wire(), self.incarnation,
                                        os.getpid(), socket.gethostname(), conn.epoch, self.scfg.checksum,
                                        host_boot_id(), self.pool.name if self.scfg.same_host == "auto" and self.pool
-                                       else "", self.pool.pool_id if self.pool else 0, self.scfg.max_message_bytes))
+                                       else "", self.pool.pool_id if self.pool else 0, self.scfg.max_message_bytes,
+                                       self.scfg.dedup))
 
     def _send_ctrl(self, conn: Conn, msg: Any) -> None:
         """Small control message, never blocking the loop (dropped and counted if the pipe is full)."""
@@ -319,7 +320,8 @@ class SenderAgent(AgentBase):
             self._fail_assigned(room, conn, msg, "bad_assign", f"assignment names unknown state component {missing[0]!r}")
             return
         room.conn, room.assign = conn, msg
-        room.plan = plan = rank_plan(self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix)
+        room.plan = plan = rank_plan(self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix,
+                                     self.scfg.dedup)
         rows = self.layout.buffers
         room.planned = (plan.kv_positions * sum(rows[b].row_bytes for b in plan.kv_buffers),
                         sum(len(msg.state.get(rows[b].component, ())) * rows[b].row_bytes for b in plan.state_buffers),

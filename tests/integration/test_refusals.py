@@ -166,3 +166,12 @@ def test_prefill_abort_after_frames_left_ends_only_when_the_receiver_answers(clu
     assert end.state is RoomState.FAILED and end.code == "aborted" and "preempted" in end.reason
     dst = dc.wait(r.room, r.group, 10)
     assert dst.state is RoomState.FAILED and dst.code == "aborted" and "preempted" in dst.reason
+
+
+def test_a_rank_with_another_dedup_setting_is_refused(cluster: Cluster) -> None:
+    ep, dc, _ = cluster.receiver()
+    cluster.group("prefill0", 2, [ep], ranks=[0])
+    pcs, _ = cluster.group("prefill0", 2, [ep], wait=False, ranks=[1], dedup=False)
+    st = cluster.until(lambda: (s := pcs[0].status()["receivers"][0])["state"] == "refused" and s, "refusal")
+    assert "dedup on" in st["reason"] and "dedup off" in st["reason"]
+    assert dc.stats()["refused"] == {"inconsistent_group": 1}

@@ -262,3 +262,26 @@ def test_a_sender_stopped_with_rows_in_flight_exits_cleanly(cluster: Cluster) ->
     assert sender.proc.wait(20) == 0, sender.log.read_text()[-3000:]
     st = dc.wait(r.room, r.group, 20)
     assert st.state is RoomState.FAILED and st.code in ("shutdown", "peer_lost"), st
+
+
+def test_dedup_off_every_rank_ships_the_state_and_the_room_is_byte_exact(cluster: Cluster) -> None:
+    """sender.dedup = false (the comparison setting): the pages-split ranks each send their own
+    copy of the replicated state; the receiver takes it once from each, and the bytes on the wire
+    are the de-dup's saving exactly."""
+    ep, dc, dpool = cluster.receiver()
+    pcs, spools = cluster.group("prefill0", 4, [ep], dedup=False)
+    for i, p in enumerate(spools):
+        fill_random(p, 90 + i)
+    r = make_room(600, "prefill0", 12, 4, spools=spools)
+    for rank in range(1, 4):  # every rank holds the same replicated state (what the de-dup relies on)
+        for b in spools[0].layout.indices("state"):
+            comp = spools[0].layout.buffers[b].component
+            spools[rank].rows[b][r.state_src[rank][comp]] = spools[0].rows[b][r.state_src[0][comp]]
+    before = [rows.copy() for rows in dpool.rows]
+    expect(dc, r)
+    submit_all(pcs, r)
+    assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
+    assert mismatches(r, dpool, spools, "pages", before) == 0
+    assert dc.stats()["bytes"]["state"] == 4 * state_copy_bytes(dpool)
+    assert all(pc.stats()["state_bytes_skipped"] == 0 for pc in pcs)
+    assert [pc.stats()["bytes"].get("state", 0) for pc in pcs] == [state_copy_bytes(dpool)] * 4

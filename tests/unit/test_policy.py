@@ -311,3 +311,21 @@ def test_bad_rank_or_cp_size_in_rank0_mode_and_cp1(cp_size: int, rank: int, spli
     except TransferdError:
         return
     raise AssertionError(f"rank {rank} of cp_size {cp_size} ({split.value}) got a plan: {plan}")
+
+
+# -- the de-dup switch (sender.dedup = false: every pages-split rank ships the replicated state) ----
+
+@pytest.mark.parametrize("cp_size", [2, 8])
+def test_dedup_off_every_pages_rank_sends_the_state(cp_size: int) -> None:
+    on = group_plans(LAYOUT, cp_size, PAGES, 10)
+    off = group_plans(LAYOUT, cp_size, PAGES, 10, dedup=False)
+    for a, b in zip(on, off):
+        assert b.state_buffers == STATE and b.state_skipped == ()
+        assert (a.kv_buffers, a.kv_range, a.aux) == (b.kv_buffers, b.kv_range, b.aux)  # only the state changes
+    assert [p.rank for p in off if p.aux] == [0]
+    assert all(not skips_replicated_state(cp_size, r, PAGES, dedup=False) for r in range(cp_size))
+
+
+@pytest.mark.parametrize("split", [LAYERS, RANK0])
+def test_dedup_off_changes_nothing_outside_the_pages_split(split: SplitMode) -> None:
+    assert group_plans(LAYOUT, 4, split, 10) == group_plans(LAYOUT, 4, split, 10, dedup=False)

@@ -378,3 +378,21 @@ def test_all_frame_orders_small_room() -> None:
             tr.accept(*f)
         assert tr.rank_done(0) is None and tr.rank_done(1) is None and tr.complete
         assert np.array_equal(tr.dst, np.array([3, 1, 2]))
+
+
+def test_tracker_with_dedup_off_takes_the_state_once_from_every_rank() -> None:
+    from transferd.protocol.policy import group_plans as plans_of
+
+    layout = LAYOUT
+    req = RoomRequest(room=7, group="g", dst_pages=tuple(range(6)), prefix=0,
+                      state={c: (0,) for c in layout.state_components}, aux_slot=0)
+    plans = plans_of(layout, 2, SplitMode.PAGES, 6, 0, dedup=False)
+    tr = CoverageTracker(layout, 2, SplitMode.PAGES, req, plans)
+    st = layout.indices("state")
+    assert tr.expected_bytes["state"] == 2 * sum(layout.buffers[b].row_bytes for b in st)
+    for rank in (0, 1):
+        for b in st:
+            tr.accept(rank, 1, b, 0, 1)
+    with pytest.raises(Refused) as err:
+        tr.accept(1, 1, st[0], 0, 1)  # the same rank twice is still a duplicate
+    assert err.value.code == "duplicate"

@@ -243,7 +243,7 @@ class TrackerMachine(RuleBasedStateMachine):
         got = {(KV, b, int(pos)) for b, row in zip(self.layout.indices("kv"), self.tracker.kv_got)
                for pos in np.nonzero(row)[0]}
         assert got == {r for r in self.accepted if r[0] == KV}
-        got = {(STATE, b, int(j)) for b, row in self.tracker.state_got.items() for j in np.nonzero(row)[0]}
+        got = {(STATE, b, int(j)) for (_, b), row in self.tracker.state_got.items() for j in np.nonzero(row)[0]}
         assert got == {r for r in self.accepted if r[0] == STATE}
         assert self.tracker.aux_got is any(r[0] == AUX for r in self.accepted)
 

@@ -97,13 +97,15 @@ class Register:
     """The random id in that pool's header: the receiver must find exactly this pool under the name."""
     max_message_bytes: int = 0
     """The largest data message this sender sends (checked against the receiver's frame limit)."""
+    dedup: bool = True
+    """The group's de-dup setting: off, every pages-split rank sends the replicated state too."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "group": self.group, "rank": self.rank,
                 "cp_size": self.cp_size, "split": self.split, "fp": self.fingerprint,
                 "layout": self.layout, "inc": self.incarnation, "pid": self.pid, "host": self.host,
                 "epoch": self.epoch, "checksum": self.checksum, "boot_id": self.boot_id, "pool": self.pool,
-                "pool_id": self.pool_id, "max_msg": self.max_message_bytes}
+                "pool_id": self.pool_id, "max_msg": self.max_message_bytes, "dedup": self.dedup}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Register:
@@ -115,7 +117,7 @@ class Register:
                    host=_req(d, "host", str, w), epoch=_int(d, "epoch", w),
                    checksum=_req(d, "checksum", str, w), boot_id=_req(d, "boot_id", str, w),
                    pool=_req(d, "pool", str, w), pool_id=_int(d, "pool_id", w),
-                   max_message_bytes=_int(d, "max_msg", w))
+                   max_message_bytes=_int(d, "max_msg", w), dedup=_req(d, "dedup", bool, w))
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,9 +55,11 @@ def contiguous_slice(n: int, cp_size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def skips_replicated_state(cp_size: int, rank: int, split: SplitMode) -> bool:
-    """The de-dup decision: does this rank leave the replicated state to rank 0?"""
-    return cp_size > 1 and rank != 0 and split is not SplitMode.LAYERS
+def skips_replicated_state(cp_size: int, rank: int, split: SplitMode, dedup: bool = True) -> bool:
+    """The de-dup decision: does this rank leave the replicated state to rank 0? With ``dedup``
+    off, pages-split ranks each send their own copy, as engines without the de-dup do (the
+    rank0 mode sends everything from rank 0 either way)."""
+    return cp_size > 1 and rank != 0 and (split is SplitMode.RANK0 or (split is SplitMode.PAGES and dedup))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +96,11 @@ def rank_plan(
     split: SplitMode,
     n_pages: int,
     prefix_pages: int = 0,
+    dedup: bool = True,
 ) -> RankPlan:
     """Exactly what ``rank`` of a ``cp_size`` group sends for a room of ``n_pages`` positions
-    whose first ``prefix_pages`` the decode side already holds."""
+    whose first ``prefix_pages`` the decode side already holds. ``dedup`` off (pages split
+    only): every rank also sends the replicated state, which the receiver then takes from each."""
     contiguous_slice(0, cp_size, rank)  # validates cp_size and rank for every mode
     if not 0 <= prefix_pages <= n_pages:
         raise BadRequest(f"prefix_pages {prefix_pages} must lie in [0, {n_pages}]")
@@ -112,7 +116,7 @@ def rank_plan(
         a = max(a, prefix_pages)
         kv_range = (a, b) if a < b else (b, b)
         kv_buffers = kv_all if kv_range[0] < kv_range[1] else ()
-        state = state_all if rank == 0 else ()
+        state = state_all if rank == 0 or not dedup else ()
     else:  # LAYERS
         kv_layers = 1 + max((layout.buffers[i].layer for i in kv_all), default=-1)
         own = _owned_layers(kv_layers, cp_size, rank)
@@ -127,7 +131,7 @@ def rank_plan(
         state = tuple(state_list)
     if kv_range[0] >= kv_range[1]:
         kv_buffers = ()
-    skipped = state_all if skips_replicated_state(cp_size, rank, split) else ()
+    skipped = state_all if skips_replicated_state(cp_size, rank, split, dedup) else ()
     return RankPlan(
         rank=rank,
         kv_buffers=tuple(kv_buffers),
@@ -139,6 +143,6 @@ def rank_plan(
 
 
 def group_plans(
-    layout: PoolLayout, cp_size: int, split: SplitMode, n_pages: int, prefix_pages: int = 0
+    layout: PoolLayout, cp_size: int, split: SplitMode, n_pages: int, prefix_pages: int = 0, dedup: bool = True
 ) -> list[RankPlan]:
-    return [rank_plan(layout, cp_size, r, split, n_pages, prefix_pages) for r in range(cp_size)]
+    return [rank_plan(layout, cp_size, r, split, n_pages, prefix_pages, dedup) for r in range(cp_size)]

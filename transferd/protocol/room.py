@@ -148,20 +148,19 @@ class CoverageTracker:
         self.state_run_end = {c: run_ends(tuple(v.tolist())) for c, v in self.state_dst.items()}
         self._kv_local = {b: i for i, b in enumerate(layout.indices("kv"))}
         self.kv_got = np.zeros((len(self._kv_local), n), dtype=bool)
-        self.state_got = {b: np.zeros(len(req.state.get(layout.buffers[b].component, ())), dtype=bool)
-                          for b in layout.indices("state")}
+        # (rank, buffer) -> slots seen: one sending rank per buffer with the de-dup, every rank without it
+        self.state_got: dict[tuple[int, int], np.ndarray] = {}
         self.aux_got = False
         self.remaining = [0] * cp_size
         self.expected_bytes = {k: 0 for k in KINDS}
-        self._state_owner: dict[int, int] = {}
         self._kv_bufs = [frozenset(p.kv_buffers) for p in self.plans]
         for p in self.plans:
             kv_rows = len(p.kv_buffers) * p.kv_positions
             self.remaining[p.rank] += kv_rows
             self.expected_bytes["kv"] += p.kv_positions * sum(layout.buffers[b].row_bytes for b in p.kv_buffers)
             for b in p.state_buffers:
-                self._state_owner[b] = p.rank
-                rows = len(self.state_got[b])
+                rows = len(req.state.get(layout.buffers[b].component, ()))
+                self.state_got[(p.rank, b)] = np.zeros(rows, dtype=bool)
                 self.remaining[p.rank] += rows
                 self.expected_bytes["state"] += rows * layout.buffers[b].row_bytes
             if p.aux:
@@ -194,9 +193,9 @@ class CoverageTracker:
                 return int(self.dst[pos]), None
             return -1, self.dst[pos:pos + count]
         if kind == 1:
-            if self._state_owner.get(buffer) != rank:
+            got = self.state_got.get((rank, buffer))
+            if got is None:
                 raise Refused("unexpected", f"rank {rank} is not to send state buffer {buffer}")
-            got = self.state_got[buffer]
             if pos + count > len(got):
                 raise Refused("unexpected", f"state positions [{pos}, {pos + count}) outside the room's "
                                             f"{len(got)} slots")
