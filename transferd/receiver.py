@@ -133,7 +133,7 @@ class Receiver(AgentBase):
         self.data_endpoint = ""
         self.engine_endpoint = ""
         self._nudged: dict[bytes, float] = {}
-        self._plans: dict[tuple[int, SplitMode, int, int], list[RankPlan]] = {}
+        self._plans: dict[tuple[int, SplitMode, int, int, bool], list[RankPlan]] = {}
         self._row_bytes = [b.row_bytes for b in self.layout.buffers]
         self._kind_of = [b.kind for b in self.layout.buffers]
         self.metrics_bind = self.rcfg.metrics_bind
@@ -582,10 +582,9 @@ class Receiver(AgentBase):
         room.waiters.clear()
         # the senders hear of it right after the waiting engines' answers have gone out (their
         # tasks were woken first): the engine's latency does not include these sends
-        status = Status(room.tok, room.req.room, new.state.value, new.code, new.reason)
-        idents = list(room.assigned.values())
+        told = Status(room.tok, room.req.room, new.state.value, new.code, new.reason)
         assert self.loop is not None
-        self.loop.call_soon(self._tell_senders, idents, status)
+        self.loop.call_soon(self._tell_senders, list(room.assigned.values()), told)
 
     def _tell_senders(self, idents: list[bytes], status: Status) -> None:
         for ident in idents:

@@ -193,13 +193,13 @@ class CoverageTracker:
                 return int(self.dst[pos]), None
             return -1, self.dst[pos:pos + count]
         if kind == 1:
-            got = self.state_got.get((rank, buffer))
-            if got is None:
+            slots = self.state_got.get((rank, buffer))
+            if slots is None:
                 raise Refused("unexpected", f"rank {rank} is not to send state buffer {buffer}")
-            if pos + count > len(got):
+            if pos + count > len(slots):
                 raise Refused("unexpected", f"state positions [{pos}, {pos + count}) outside the room's "
-                                            f"{len(got)} slots")
-            seg = got[pos:pos + count]
+                                            f"{len(slots)} slots")
+            seg = slots[pos:pos + count]
             if seg.any():
                 raise Refused("duplicate", f"state buffer {buffer} slot position {pos + int(seg.argmax())} arrived twice")
             seg[:] = True
