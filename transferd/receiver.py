@@ -545,6 +545,13 @@ class Receiver(AgentBase):
 
     # -- room management -----------------------------------------------------------------
     def _assign(self, room: DecodeRoom, group: Group, rank: int) -> None:
+        ident = group.ranks[rank]
+        req = room.req
+        room.assigned[rank] = ident
+        # the assignment leaves first: the tracker is built while it travels (no data can be
+        # handled before this callback returns to the loop)
+        self._send(ident, Assign(room.tok, req.room, len(req.dst_pages), req.prefix, req.dst_pages,
+                                 req.state, req.aux_slot))
         if room.tracker is None:
             key = (group.cp_size, group.split, len(room.req.dst_pages), room.req.prefix, group.dedup)
             plans = self._plans.get(key)
@@ -553,11 +560,6 @@ class Receiver(AgentBase):
                     self._plans.clear()
                 plans = self._plans[key] = group_plans(self.layout, *key)
             room.tracker = CoverageTracker(self.layout, group.cp_size, group.split, room.req, plans)
-        ident = group.ranks[rank]
-        req = room.req
-        room.assigned[rank] = ident
-        self._send(ident, Assign(room.tok, req.room, len(req.dst_pages), req.prefix, req.dst_pages,
-                                 req.state, req.aux_slot))
         if len(room.assigned) == group.cp_size:
             room.status = advance(room.status, RoomStatus(RoomState.WAITING))
             room.last_progress = time.monotonic()

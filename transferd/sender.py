@@ -140,6 +140,7 @@ class SenderAgent(AgentBase):
         self.metrics_port_offset = s.cp_rank
         self.drain_timeout_s = s.drain_timeout_s
         self._burst = 0  # messages sent since the data path last gave the loop a turn
+        self._plans: dict[tuple[int, int], RankPlan] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
@@ -320,8 +321,13 @@ class SenderAgent(AgentBase):
             self._fail_assigned(room, conn, msg, "bad_assign", f"assignment names unknown state component {missing[0]!r}")
             return
         room.conn, room.assign = conn, msg
-        room.plan = plan = rank_plan(self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix,
-                                     self.scfg.dedup)
+        plan = self._plans.get((msg.n_pages, msg.prefix))
+        if plan is None:  # a plan depends only on the room's length and prefix here: most rooms reuse one
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            plan = self._plans[(msg.n_pages, msg.prefix)] = rank_plan(
+                self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix, self.scfg.dedup)
+        room.plan = plan
         rows = self.layout.buffers
         room.planned = (plan.kv_positions * sum(rows[b].row_bytes for b in plan.kv_buffers),
                         sum(len(msg.state.get(rows[b].component, ())) * rows[b].row_bytes for b in plan.state_buffers),
