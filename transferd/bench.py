@@ -583,6 +583,8 @@ class _Bench:
         ring = dst.size // size
         n = (self.plan.bulk_room_bytes * self.plan.bulk_rooms) // size
         pull = self.pull
+        assert self.raw is not None
+        cpu0 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
         t0 = time.perf_counter()
         self.ctrl.send(msgpack.packb([size, n]))
         for i in range(n):
@@ -595,7 +597,13 @@ class _Bench:
         dt = time.perf_counter() - t0
         if not self.ctrl.poll(30_000) or self.ctrl.recv() != b"sent":
             raise TransferdError("bench: the raw zmq sender did not confirm")
-        return {"gbps": n * size / dt / 1e9}
+        cpu1 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
+        out: dict[str, Any] = {"gbps": n * size / dt / 1e9}
+        if None not in cpu0 and None not in cpu1:  # this process is the receiver (the bench is idle meanwhile)
+            gb = n * size / 1e9
+            out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
+            out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
+        return out
 
     def bulk_room(self, key: str, same_host: bool = False) -> dict[str, Any]:
         contig = key.endswith("_contig")
@@ -885,6 +893,9 @@ class _Bench:
             for name, out in (("memcpy", "memcpy"), ("raw_zmq", "raw_zmq_tcp")):
                 limits[out][key] = {"message_bytes": size, "gbps": _r(med(f"{name}/{key}", "gbps"), 3),
                                     "rounds": [_r(r["gbps"], 3) for r in res.get(f"{name}/{key}", [])]}
+                if name == "raw_zmq":
+                    for side in ("receiver", "sender"):
+                        limits[out][key][f"{side}_cpu_s_per_gb"] = _r(med(f"{name}/{key}", f"{side}_cpu_s_per_gb"), 3)
         limits["bytes_per_measurement"] = self.plan.bulk_room_bytes * self.plan.bulk_rooms
         limits["notes"] = ("memcpy: np.copyto from one shared-memory pool buffer into another, one thread, "
                            "message-sized pieces over a ring as large as a bulk run. raw_zmq_tcp: pyzmq "
@@ -1197,6 +1208,9 @@ def format_table(out: dict[str, Any]) -> str:
     lines.append("message size".ljust(34) + "".join(k.rjust(w) for k in keys))
     lines.append("memcpy → pool (1 thread) GB/s".ljust(34) + "".join(_f(lim["memcpy"][k]["gbps"]).rjust(w) for k in keys))
     lines.append("raw pyzmq tcp, zero-copy GB/s".ljust(34) + "".join(_f(lim["raw_zmq_tcp"][k]["gbps"]).rjust(w) for k in keys))
+    for side in ("receiver", "sender"):
+        lines.append(f"  {side} CPU s/GB".ljust(34)
+                     + "".join(_f(lim["raw_zmq_tcp"][k].get(f"{side}_cpu_s_per_gb")).rjust(w) for k in keys))
     lines.append("transferd tcp (scattered) GB/s".ljust(34) + "".join(_f(bulk[k]["gbps"]).rjust(w) for k in keys))
     lines.append("  × raw pyzmq".ljust(34) + "".join(_f(bulk[k]["vs_raw_zmq"]).rjust(w) for k in keys))
     lines.append("  × memcpy".ljust(34) + "".join(_f(bulk[k]["vs_memcpy"]).rjust(w) for k in keys))

@@ -62,6 +62,8 @@ def test_limits_and_bulk_have_a_figure_per_size(run: tuple[dict[str, Any], str])
             entry = out["limits"][path][key]
             assert _pos(entry["gbps"]), (path, key, entry)
             assert len(entry["rounds"]) == out["repeats"]
+            if path == "raw_zmq_tcp":  # the baseline's CPU per byte, beside transferd's
+                assert _pos(entry["receiver_cpu_s_per_gb"]) and _pos(entry["sender_cpu_s_per_gb"]), entry
     for key in BULK:
         b = out["bulk"][key]
         assert _pos(b["gbps"]) and _pos(b["vs_raw_zmq"]) and _pos(b["vs_memcpy"]), (key, b)
