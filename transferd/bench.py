@@ -93,7 +93,7 @@ class Plan:
     room_timeout_s: float = 60.0
 
 
-QUICK = Plan(repeats=3, bulk_room_bytes=16 * MiB, bulk_rooms=16, dedup_rooms=1, small_latency_rooms=40,
+QUICK = Plan(repeats=5, bulk_room_bytes=16 * MiB, bulk_rooms=16, dedup_rooms=1, small_latency_rooms=40,
              small_batch_rooms=128, small_verify_every=16)
 FULL = Plan(repeats=7, bulk_room_bytes=16 * MiB, bulk_rooms=32, dedup_rooms=1, small_latency_rooms=200,
             small_batch_rooms=512, small_verify_every=32)
