@@ -35,8 +35,8 @@ from .protocol.engine import nonempty_str as _str
 from .protocol.engine import slot_map
 from .protocol.engine import u64 as _u64
 from .protocol.messages import (
-    PROTOCOL_VERSION, Assign, Data, DataBatch, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, Registered, Status, decode_header,
-    encode,
+    PROTOCOL_VERSION, Assign, Data, DataBatch, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, Registered,
+    Status, decode_header, encode,
 )
 from .protocol.policy import RankPlan, SplitMode, group_plans
 from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance
@@ -111,7 +111,6 @@ def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: 
     ends = [*brk.tolist(), n]
     for d, s, a, b in zip(dst_rows[starts].tolist(), src_rows[starts].tolist(), starts, ends):
         dst[d:d + b - a] = src[s:s + b - a]
-
 
 
 class Receiver(AgentBase):

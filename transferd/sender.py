@@ -405,6 +405,7 @@ class SenderAgent(AgentBase):
             return
         room.status = new
         room.chunks.clear()
+        room.batch.clear()  # entries not sent: nothing of an ended room leaves any more
         self.metrics.observe(new.state.value, time.monotonic() - room.created)
         if self.rooms.get(room.room) is room:
             del self.rooms[room.room]
@@ -433,6 +434,7 @@ class SenderAgent(AgentBase):
         if reliable and room.handed and connected:
             room.ending, room.ending_since = status, time.monotonic()
             room.chunks.clear()
+            room.batch.clear()
         else:
             self._set_terminal(room, status)
         if room.conn is not None and room.assign is not None:

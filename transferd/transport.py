@@ -51,27 +51,6 @@ def configure(sock: zmq.Socket[Any], *, hwm: int = 0) -> None:
         sock.setsockopt(zmq.RCVHWM, hwm)
 
 
-def send_nowait(sock: zmq.asyncio.Socket, frames: list[Any], on_drop: Callable[[BaseException], None]) -> None:
-    """Send without waiting and without blocking the loop; ``on_drop`` hears of a message that
-    could not be queued (pipe full, peer unknown).
-
-    Always through the asyncio socket itself: a plain (shadow) socket operation would consume
-    ZeroMQ's edge-triggered readiness signal behind the asyncio socket's back and leave a
-    pending ``recv`` asleep forever.
-    """
-    fut = cast("asyncio.Future[Any]", sock.send_multipart(frames, flags=zmq.NOBLOCK))
-
-    def done(f: asyncio.Future[Any]) -> None:
-        exc = None if f.cancelled() else f.exception()
-        if exc is not None:
-            on_drop(exc)
-
-    if fut.done():
-        done(fut)
-    else:
-        fut.add_done_callback(done)
-
-
 class LoopSocket:
     """A ZeroMQ socket driven by the event loop straight from its file descriptor.
 
