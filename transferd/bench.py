@@ -49,7 +49,7 @@ import numpy as np
 import zmq
 
 from .client import DecodeClient, PrefillClient
-from .config import Config, ReceiverConfig, SenderConfig, load
+from .config import Config, load
 from .errors import ClientTimeout, ConfigError, TransferdError
 from .launcher import die_with_parent
 from .layout import ModelSpec, PoolLayout
@@ -69,12 +69,8 @@ SMALL_CPS = (1, 8)
 PRODUCTION_CUT_CP8 = 0.8497
 BULK_LAYERS = 4
 POISON = 0xA5
-# the same-host path (sender.same_host / receiver.same_host = "auto" | "off") where this transferd has it
-HAS_SAME_HOST = "same_host" in SenderConfig.__dataclass_fields__ and "same_host" in ReceiverConfig.__dataclass_fields__
-# settings of newer daemons that must not collide across the bench's ~30 processes (fixed ports)
-_OFF_IF_PRESENT = {f"TRANSFERD_{section.upper()}_{key.upper()}": ""
-                   for section, cls in (("receiver", ReceiverConfig), ("sender", SenderConfig))
-                   for key in ("metrics_bind",) if key in cls.__dataclass_fields__}
+# no Prometheus endpoints: their fixed ports would collide across the bench's ~40 processes
+_NO_METRICS = {"TRANSFERD_RECEIVER_METRICS_BIND": "", "TRANSFERD_SENDER_METRICS_BIND": ""}
 TARGETS = {"tcp_vs_raw_zmq": 0.9, "same_host_vs_memcpy": 0.8, "small_cp1_p50_ms": 1.0,
            "small_cp1_rooms_per_s": 2000.0, "vs_mooncake_tcp": 2.0}
 
@@ -311,7 +307,7 @@ class _Bench:
             "TRANSFERD_SENDER_KV_PAGES": str(tx[0]),
             "TRANSFERD_SENDER_STATE_SLOTS": str(tx[1]),
             "TRANSFERD_SENDER_AUX_SLOTS": str(tx[2]),
-            **_OFF_IF_PRESENT,
+            **_NO_METRICS,
         }
 
     def _cluster(self, name: str, cfg_path: Path, rx: tuple[int, int, int], tx: tuple[int, int, int]) -> _Cluster:
@@ -324,9 +320,8 @@ class _Bench:
 
     def _group(self, c: _Cluster, name: str, cp: int, same_host: bool = False, dedup: bool = True) -> _Group:
         env = {**c.env, "TRANSFERD_SENDER_GROUP": name, "TRANSFERD_SENDER_CP_SIZE": str(cp),
-               "TRANSFERD_SENDER_DEDUP": "true" if dedup else "false"}
-        if HAS_SAME_HOST:  # TCP loopback unless this group is the same-host one
-            env["TRANSFERD_SENDER_SAME_HOST"] = "auto" if same_host else "off"
+               "TRANSFERD_SENDER_DEDUP": "true" if dedup else "false",
+               "TRANSFERD_SENDER_SAME_HOST": "auto" if same_host else "off"}  # TCP loopback unless asked
         g = _Group(name, cp, load(c.cfg_path, env=env))
         for rank in range(cp):
             g.procs.append(self.daemons.spawn(
@@ -402,8 +397,7 @@ class _Bench:
                                      deadline)
         for c in self.bulk.values():
             self._group(c, f"b{c.name[4:]}", 1)
-            if HAS_SAME_HOST:
-                self._group(c, f"s{c.name[4:]}", 1, same_host=True)
+            self._group(c, f"s{c.name[4:]}", 1, same_host=True)
         for cp in DEDUP_CPS:
             self._group(self.ds, f"ds{cp}", cp)
         for cp in DEDUP_CPS[1:]:  # the same groups with the de-dup off: every rank ships the state
@@ -764,8 +758,7 @@ class _Bench:
             out.append((f"raw_zmq/{key}", partial(self.raw_zmq, key)))
         for key in BULK_KEYS:
             out.append((f"bulk/{key}", partial(self.bulk_room, key)))
-            if HAS_SAME_HOST:
-                out.append((f"bulk_shm/{key}", partial(self.bulk_room, key, same_host=True)))
+            out.append((f"bulk_shm/{key}", partial(self.bulk_room, key, same_host=True)))
         for cp in DEDUP_CPS:
             out.append((f"dedup_on/{cp}", partial(self.dedup_on, cp)))
             if cp > 1:
@@ -924,34 +917,28 @@ class _Bench:
                 "sender_cpu_s_per_gb": _r(med(f"bulk/{key}", "sender_cpu_s_per_gb"), 3),
                 "shm_share": _r(med(f"bulk/{key}", "shm_share"), 4),
             }
-        if HAS_SAME_HOST:
-            same_host: dict[str, Any] = {
-                "available": True,
-                "note": ("the same rooms from a sender with same_host = \"auto\" into the same receiver: data-ref "
-                         "messages over ZeroMQ, the receiver copying rows out of the sender's pool; shm_share is "
-                         "the part of the bytes the sender counted as moved that way (1.0 = the path was used)"),
+        same_host: dict[str, Any] = {
+            "available": True,
+            "note": ("the same rooms from a sender with same_host = \"auto\" into the same receiver: data-refs "
+                     "messages over ZeroMQ, the receiver copying rows out of the sender's pool; shm_share is "
+                     "the part of the bytes the sender counted as moved that way (1.0 = the path was used)"),
+        }
+        for key in BULK_KEYS:
+            msg_key = "1MiB" if key.endswith("_contig") else key
+            name = f"bulk_shm/{key}"
+            same_host[key] = {
+                "gbps": _r(med(name, "gbps"), 3), "rounds": [_r(r["gbps"], 3) for r in res.get(name, [])],
+                "vs_memcpy": _r(paired(name, f"memcpy/{msg_key}"), 3),
+                "vs_tcp": _r(paired(name, f"bulk/{key}"), 3),
+                "receiver_cpu_s_per_gb": _r(med(name, "receiver_cpu_s_per_gb"), 3),
+                "sender_cpu_s_per_gb": _r(med(name, "sender_cpu_s_per_gb"), 3),
+                "shm_share": _r(med(name, "shm_share"), 4),
             }
-            for key in BULK_KEYS:
-                msg_key = "1MiB" if key.endswith("_contig") else key
-                name = f"bulk_shm/{key}"
-                same_host[key] = {
-                    "gbps": _r(med(name, "gbps"), 3), "rounds": [_r(r["gbps"], 3) for r in res.get(name, [])],
-                    "vs_memcpy": _r(paired(name, f"memcpy/{msg_key}"), 3),
-                    "vs_tcp": _r(paired(name, f"bulk/{key}"), 3),
-                    "receiver_cpu_s_per_gb": _r(med(name, "receiver_cpu_s_per_gb"), 3),
-                    "sender_cpu_s_per_gb": _r(med(name, "sender_cpu_s_per_gb"), 3),
-                    "shm_share": _r(med(name, "shm_share"), 4),
-                }
-                bulk[key]["same_host_gbps"] = same_host[key]["gbps"]
-                bulk[key]["same_host_vs_memcpy"] = same_host[key]["vs_memcpy"]
-            same_host_ratio = same_host["1MiB"]["vs_memcpy"]
-            same_host_note = ("transferd's same-host path, bulk rooms of 1 MiB rows, vs one-thread memcpy of "
-                              "1 MiB pieces, median of per-round ratios")
-        else:
-            same_host_note = ("this transferd has no same-host path (no sender.same_host setting): nothing honest "
-                              "to measure")
-            same_host = {"available": False, "note": same_host_note}
-            same_host_ratio = None
+            bulk[key]["same_host_gbps"] = same_host[key]["gbps"]
+            bulk[key]["same_host_vs_memcpy"] = same_host[key]["vs_memcpy"]
+        same_host_ratio = same_host["1MiB"]["vs_memcpy"]
+        same_host_note = ("transferd's same-host path, bulk rooms of 1 MiB rows, vs one-thread memcpy of "
+                          "1 MiB pieces, median of per-round ratios")
         small: dict[str, Any] = {}
         for cp in SMALL_CPS:
             lat = np.asarray(self.latencies[cp]) * 1e3

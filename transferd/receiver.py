@@ -39,7 +39,7 @@ from .protocol.messages import (
     Status, decode_header, encode,
 )
 from .protocol.policy import RankPlan, SplitMode, group_plans
-from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance
+from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance, runs
 from .transport import LocalApiServer, LoopSocket, configure, is_wildcard, load_keypair, watch_handshakes
 
 log = logging.getLogger(__name__)
@@ -102,14 +102,8 @@ def _settle_none(fut: asyncio.Future[None]) -> None:
 def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> None:
     """``dst[dst_rows] = src[src_rows]`` in one pass over the bytes: one block copy per run of
     rows consecutive on both sides (a fancy-index assignment gathers into a temporary first)."""
-    n = len(src_rows)
-    if n == 1:
-        dst[int(dst_rows[0])] = src[int(src_rows[0])]
-        return
-    brk = np.flatnonzero((np.diff(src_rows) != 1) | (np.diff(dst_rows) != 1)) + 1
-    starts = [0, *brk.tolist()]
-    ends = [*brk.tolist(), n]
-    for d, s, a, b in zip(dst_rows[starts].tolist(), src_rows[starts].tolist(), starts, ends):
+    for a, b in runs(src_rows, dst_rows):
+        d, s = int(dst_rows[a]), int(src_rows[a])
         dst[d:d + b - a] = src[s:s + b - a]
 
 

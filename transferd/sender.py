@@ -36,7 +36,7 @@ from .protocol.messages import (
     Status, decode_header, encode,
 )
 from .protocol.policy import RankPlan, SplitMode, rank_plan
-from .protocol.room import RoomState, RoomStatus, advance
+from .protocol.room import RoomState, RoomStatus, advance, runs
 from . import zerocopy
 from .transport import LocalApiServer, LoopSocket, configure, load_keypair, load_public_key, watch_handshakes
 
@@ -100,17 +100,6 @@ class SendRoom:
         """Send nothing more for this room."""
         return self.status.state.terminal or self.ending is not None
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
-
-
-def runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
-    """Split positions ``0..len(src)`` into ``[a, b)`` runs where both ``src`` and ``dst`` rows are
-    consecutive — each run moves as one block."""
-    n = len(src)
-    if n <= 1:
-        return [(0, n)] if n else []
-    brk = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
-    edges = [0, *brk.tolist(), n]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 class SenderAgent(AgentBase):
@@ -466,7 +455,8 @@ class SenderAgent(AgentBase):
         assert room.conn is not None
         link, zc = room.conn.link, room.conn.rows
         while True:
-            if rows is not None and zc is not None:
+            if rows is not None:
+                assert zc is not None
                 sent = zc.try_send(frames[0], [(r.ctypes.data, r.nbytes) for r in rows])
                 link.kick()
             else:
@@ -578,8 +568,12 @@ class SenderAgent(AgentBase):
         # rows of the pool go out with no reference kept (zerocopy.py); a fault's corrupted copy
         # (and every payload where libzmq is not reachable) as pyzmq frames — memoryviews, not
         # ndarrays: pyzmq formats repr() of what it queues (~30 µs for an array)
-        rows = None if any(c for _, _, c in pieces) else [p for _, p, _ in pieces]
-        if not await self._emit(room, [header, *(p.data for _, p, _ in pieces)], rows=rows):
+        direct = room.conn is not None and room.conn.rows is not None and not any(c for _, _, c in pieces)
+        if direct:  # the payload frames are the rows' addresses: no pyzmq frame objects to build
+            sent = await self._emit(room, [header], rows=[p for _, p, _ in pieces])
+        else:
+            sent = await self._emit(room, [header, *(p.data for _, p, _ in pieces)])
+        if not sent:
             return
         for d, payload, _ in pieces:
             self.acct.add(KINDS[d.kind], payload.nbytes)

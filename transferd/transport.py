@@ -63,7 +63,7 @@ class LoopSocket:
 
     ZeroMQ's descriptor is edge-triggered and any operation on the socket may consume its signal:
     after every send the socket's events are looked at again on the next loop iteration
-    (``_kick``), and the reader never goes back to sleep before ``EVENTS`` says there is nothing
+    (``kick``), and the reader never goes back to sleep before ``EVENTS`` says there is nothing
     left to read.
     """
 
@@ -81,14 +81,11 @@ class LoopSocket:
         self._scheduled = False
         self._paused: asyncio.TimerHandle | None = None
         self.loop.add_reader(self._fd, self._on_ready)
-        self._kick()
+        self.kick()
 
     def kick(self) -> None:
-        """Look at the socket's events again on the next loop iteration: after any operation on
-        the socket made outside this class."""
-        self._kick()
-
-    def _kick(self) -> None:
+        """Look at the socket's events again on the next loop iteration: after every operation on
+        the socket (this class's sends, and any made outside it)."""
         if not self._scheduled and not self.closed:
             self._scheduled = True
             self.loop.call_soon(self._on_ready)
@@ -107,7 +104,7 @@ class LoopSocket:
             if not events & zmq.POLLIN or self._paused is not None:
                 return
             if n >= self.budget:
-                self._kick()  # more to read: after the other callbacks of this iteration
+                self.kick()  # more to read: after the other callbacks of this iteration
                 return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=self.copy)
@@ -126,7 +123,7 @@ class LoopSocket:
 
     def _resume(self) -> None:
         self._paused = None
-        self._kick()
+        self.kick()
 
     def try_send(self, frames: list[Any], *, copy: bool = True) -> bool:
         """Send at once; False (nothing sent) when the high-water mark holds the message back.
@@ -137,7 +134,7 @@ class LoopSocket:
         except zmq.Again:
             return False
         finally:
-            self._kick()
+            self.kick()
 
     async def writable(self) -> None:
         """Wait until the socket may take a message again (or is closed)."""
@@ -145,7 +142,7 @@ class LoopSocket:
             raise zmq.ZMQError(zmq.ENOTSOCK, f"{self.name}: socket closed")
         fut: asyncio.Future[None] = self.loop.create_future()
         self._writers.append(fut)
-        self._kick()
+        self.kick()
         await fut
 
     async def send(self, frames: list[Any], *, copy: bool = True) -> None:

@@ -28,7 +28,6 @@ import zmq
 from transferd.config import from_mapping
 from transferd.layout import PoolLayout, layout_difference
 from transferd.pool import Pool
-import transferd.protocol.messages as messages_mod
 from transferd.protocol.messages import (
     PROTOCOL_VERSION, Assign, Done, Fail, Ping, Pong, Register, Registered, Status,
 )
@@ -1028,16 +1027,37 @@ def _data_ref(f: Fake, tok: int, kind: int, buffer: int, pos: int, count: int, s
     f.send(pack([2, tok, kind, buffer, pos, count, src_row]))
 
 
-same_host = pytest.mark.skipif(not hasattr(messages_mod, "DataRef"), reason="this tree has no same-host path")
+def _data_refs(f: Fake, tok: int, kind: int, buffer: int, pos: int, rows: list[int], *,
+               list_bytes: bytes | None = None) -> None:
+    body = np.asarray(rows, dtype="<i8").tobytes() if list_bytes is None else list_bytes
+    f.send(pack([3, tok, kind, buffer, pos, len(rows)]), body)
 
 
-@same_host
-def test_data_ref_without_an_agreed_same_host_path_fails_the_room(guard: Env) -> None:
+def _shm_fake(env: Env) -> tuple[Fake, str, Pool]:
+    from transferd.pool import host_boot_id
+
+    name = f"{env.cluster.tag}-fakeshm-{next(env.ids)}"
+    spool = Pool.create(name, FAKE_LAYOUT)
+    env.cluster.pools.append(spool)
+    fill_random(spool, 5)
+    group = f"fakeshm-{next(env.ids)}"
+    fake = env.fake("shm")
+    fake.ctrl(register_header(group, 0, 1) | {"boot_id": host_boot_id(), "pool": name, "pool_id": spool.pool_id})
+    reply = fake.next("registered")
+    assert reply["ok"] is True and reply.get("shm") is True, reply
+    return fake, group, spool
+
+
+@pytest.mark.parametrize("refs", ["data-ref", "data-refs"])
+def test_data_refs_without_an_agreed_same_host_path_fail_the_room(guard: Env, refs: str) -> None:
     env = guard
     fake, group = fake_sender(env)
     r = open_room(env, fake, group)
     before, logs = env.refused(), env.log_lines("no_shm")
-    _data_ref(fake, r.tok, KV, _kv0(r), 0, 1, 0)
+    if refs == "data-ref":
+        _data_ref(fake, r.tok, KV, _kv0(r), 0, 1, 0)
+    else:
+        _data_refs(fake, r.tok, KV, _kv0(r), 0, [0])
     st = r.wait()
     assert st.state is RoomState.FAILED and st.code == "no_shm", st
     assert_refused_once(env, before, logs, "no_shm")
@@ -1045,23 +1065,9 @@ def test_data_ref_without_an_agreed_same_host_path_fails_the_room(guard: Env) ->
     env.dc.release(r.room, group)
 
 
-@same_host
 def test_data_ref_rows_outside_the_senders_pool_fail_the_room_and_good_refs_complete_one(guard: Env) -> None:
-    from transferd.pool import host_boot_id
-
     env = guard
-    name = f"{env.cluster.tag}-fakeshm-{next(env.ids)}"
-    spool = Pool.create(name, FAKE_LAYOUT)
-    env.cluster.pools.append(spool)  # unlinked with the cluster (its name carries the tag)
-    fill_random(spool, 3)
-    group = f"fakeshm-{next(env.ids)}"
-    fake = env.fake("shm")
-    offer = {"boot_id": host_boot_id(), "pool": name}
-    if hasattr(spool, "pool_id"):  # the pool's identity, where the tree checks it (a name alone can be reused)
-        offer["pool_id"] = spool.pool_id
-    fake.ctrl(register_header(group, 0, 1) | offer)
-    reply = fake.next("registered")
-    assert reply["ok"] is True and reply.get("shm") is True, reply
+    fake, group, spool = _shm_fake(env)
     rows = FAKE_LAYOUT.kv_rows
     # rows [rows - 1, rows + 1) of the sender's own pool: one past its end
     r = open_room(env, fake, group)
@@ -1094,28 +1100,6 @@ def test_data_ref_rows_outside_the_senders_pool_fail_the_room_and_good_refs_comp
     env.dc.release(r.room, group)
 
 
-def _data_refs(f: Fake, tok: int, kind: int, buffer: int, pos: int, rows: list[int], *,
-               list_bytes: bytes | None = None) -> None:
-    body = np.asarray(rows, dtype="<i8").tobytes() if list_bytes is None else list_bytes
-    f.send(pack([3, tok, kind, buffer, pos, len(rows)]), body)
-
-
-def _shm_fake(env: Env) -> tuple[Fake, str, Pool]:
-    from transferd.pool import host_boot_id
-
-    name = f"{env.cluster.tag}-fakeshm-{next(env.ids)}"
-    spool = Pool.create(name, FAKE_LAYOUT)
-    env.cluster.pools.append(spool)
-    fill_random(spool, 5)
-    group = f"fakeshm-{next(env.ids)}"
-    fake = env.fake("shm")
-    fake.ctrl(register_header(group, 0, 1) | {"boot_id": host_boot_id(), "pool": name, "pool_id": spool.pool_id})
-    reply = fake.next("registered")
-    assert reply["ok"] is True and reply.get("shm") is True, reply
-    return fake, group, spool
-
-
-@same_host
 @pytest.mark.parametrize("case, rows, list_bytes, code", [
     ("past-the-end", [3, FAKE_LAYOUT.kv_rows], None, "index_out_of_range"),
     ("negative", [-1, 2], None, "index_out_of_range"),
@@ -1136,21 +1120,6 @@ def test_bad_data_refs_fail_the_room_and_write_nothing(guard: Env, case: str, ro
     env.dc.release(r.room, group)
 
 
-@same_host
-def test_data_refs_without_an_agreed_same_host_path_fail_the_room(guard: Env) -> None:
-    env = guard
-    fake, group = fake_sender(env)
-    r = open_room(env, fake, group)
-    before, logs = env.refused(), env.log_lines("no_shm")
-    _data_refs(fake, r.tok, KV, _kv0(r), 0, [0])
-    st = r.wait()
-    assert st.state is RoomState.FAILED and st.code == "no_shm", st
-    assert_refused_once(env, before, logs, "no_shm")
-    r.check_pool()
-    env.dc.release(r.room, group)
-
-
-@same_host
 def test_scattered_data_refs_complete_a_room_byte_exact(guard: Env) -> None:
     env = guard
     fake, group, spool = _shm_fake(env)

@@ -20,7 +20,8 @@ from ..errors import DecodeError, VersionMismatch
 #   1 — first version: register/registered, assign, data, data-ref, done, fail, status, ping/pong.
 #   2 — data-refs: same-host rows listed one by one in a second frame (scattered pages in one
 #       message); data batches: several small data entries, one payload frame each, in one
-#       message. A version-1 receiver would refuse both, so the versions do not mix.
+#       message; register.dedup (the group's de-dup setting). A version-1 receiver would refuse
+#       the new messages, so the versions do not mix.
 PROTOCOL_VERSION = 2
 
 MAX_CP_SIZE = 1024

@@ -129,6 +129,17 @@ def run_ends(rows: tuple[int, ...]) -> np.ndarray:
     return out
 
 
+def runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
+    """Split positions ``0..len(src)`` into ``[a, b)`` runs where both ``src`` and ``dst`` rows are
+    consecutive — each run moves as one block."""
+    n = len(src)
+    if n <= 1:
+        return [(0, n)] if n else []
+    brk = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
+    edges = [0, *brk.tolist(), n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 class CoverageTracker:
     """What the receiver must see for one room, exactly once, and what it has seen.
 
