@@ -370,6 +370,8 @@ class Receiver(AgentBase):
             self._peer_lost(known, f"prefill {known.group} rank {known.rank} registered again as {msg.group} "
                                    f"rank {msg.rank}", heartbeat=False)
             known = None
+            if self.groups.get(msg.group) is not group:  # that was the group's last rank: it went with it
+                group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split, msg.dedup)
         if known is not None:
             known.close()
             if msg.epoch > known.epoch:

@@ -1200,3 +1200,19 @@ def test_a_bad_entry_in_a_data_batch_fails_the_room_and_later_entries_are_not_wr
     assert_refused_once(env, before, logs, "duplicate")
     r.check_pool()
     env.dc.release(r.room, group)
+
+
+def test_an_identity_moving_to_another_rank_of_its_group_keeps_the_group(guard: Env) -> None:
+    """The same identity registers as rank 0, then as rank 1 of the same group: its old place is
+    dropped — the group with it, as that was its last rank — and the new place must belong to
+    the group the receiver knows, not to the dropped one."""
+    env = guard
+    group = f"mover-{next(env.ids)}"
+    f = env.fake("mover")
+    assert f.register(group, 0, 2)["ok"] is True
+    assert f.register(group, 1, 2)["ok"] is True
+    groups = env.dc.status()["groups"]
+    assert group in groups and list(groups[group]["ranks"]) == ["1"], groups
+    g = env.fake("other")  # the group completes with a second sender as rank 0
+    assert g.register(group, 0, 2)["ok"] is True
+    assert sorted(env.dc.status()["groups"][group]["ranks"]) == ["0", "1"]
