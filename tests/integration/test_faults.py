@@ -188,8 +188,8 @@ def test_backpressure_bounds_memory_under_a_slow_receiver(cluster: Cluster) -> N
     aux[0, :8] = np.frombuffer(np.uint64(60).tobytes(), np.uint8)
     pcs[0].submit(60, 0, list(range(200)), last=True, aux_slot=0)
     peak = dict(base)
-    while dc.poll(60, "prefill0").state is not RoomState.SUCCESS:
-        assert not dc.poll(60, "prefill0").state.terminal, dc.poll(60, "prefill0")
+    while (st := dc.poll(60, "prefill0")).state is not RoomState.SUCCESS:
+        assert not st.state.terminal, st  # one poll per round: the room may end between two polls
         for pid in peak:
             peak[pid] = max(peak[pid], _rss_anon(pid))
         time.sleep(SAMPLE_S)  # sampling interval, not a wait for an event
