@@ -33,6 +33,7 @@ import platform
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -267,6 +268,8 @@ class _Bench:
         self.raw_ctx: zmq.Context[Any] | None = None
         self.pull: zmq.Socket[Any] | None = None
         self.ctrl: zmq.Socket[Any] | None = None
+        self.tcp_listen: socket.socket | None = None
+        self.tcp: socket.socket | None = None  # the raw TCP limit's receiving end
         self.results: dict[str, list[dict[str, Any]]] = {}
         self.latencies: dict[int, list[float]] = {cp: [] for cp in SMALL_CPS}
         self.mismatched = 0
@@ -442,9 +445,12 @@ class _Bench:
         self.ctrl = self.raw_ctx.socket(zmq.PAIR)
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.bind("tcp://127.0.0.1:*")
+        self.tcp_listen = socket.create_server(("127.0.0.1", 0))
+        self.tcp_listen.settimeout(60)
         argv = [sys.executable, "-c", "import sys; from transferd.bench import raw_zmq_sender_main as m; "
                 "sys.exit(m(sys.argv[1:]))", self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT),
-                self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.lim_pool.name]
+                self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.lim_pool.name,
+                f"127.0.0.1:{self.tcp_listen.getsockname()[1]}"]
         self.raw = self.daemons.spawn("raw-zmq-sender", argv, {}).proc
 
     def _wait_raw_ready(self) -> None:
@@ -456,6 +462,9 @@ class _Bench:
                 raise TransferdError("bench: the raw zmq sender did not start")
         if self.ctrl.recv() != b"ready":
             raise TransferdError("bench: the raw zmq sender said something unexpected")
+        assert self.tcp_listen is not None
+        self.tcp, _ = self.tcp_listen.accept()  # it connected before it said ready
+        self.tcp.settimeout(30)
 
     def _prepare_bulk(self) -> None:
         p = self.plan
@@ -580,7 +589,7 @@ class _Bench:
         assert self.raw is not None
         cpu0 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
         t0 = time.perf_counter()
-        self.ctrl.send(msgpack.packb([size, n]))
+        self.ctrl.send(msgpack.packb([size, n, "zmq"]))
         for i in range(n):
             frame = pull.recv(copy=False)
             buf = np.frombuffer(frame.buffer, dtype=np.uint8)
@@ -594,6 +603,40 @@ class _Bench:
         cpu1 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
         out: dict[str, Any] = {"gbps": n * size / dt / 1e9}
         if None not in cpu0 and None not in cpu1:  # this process is the receiver (the bench is idle meanwhile)
+            gb = n * size / 1e9
+            out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
+            out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
+        return out
+
+    def raw_tcp(self, key: str) -> dict[str, Any]:
+        """The raw TCP limit: the same messages as ``raw_zmq`` through one plain TCP connection
+        (``sendall`` out of the pool), received with ``recv_into`` straight into the ring of the
+        destination pool: one kernel copy a side, no framing beyond the fixed size."""
+        assert self.lim_pool is not None and self.tcp is not None and self.ctrl is not None
+        assert self.raw is not None
+        size = SIZES[key]
+        dst = memoryview(self.lim_pool.rows[1].reshape(-1))
+        ring = len(dst) // size
+        n = (self.plan.bulk_room_bytes * self.plan.bulk_rooms) // size
+        recv_into, conn = self.tcp.recv_into, self.tcp
+        cpu0 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
+        t0 = time.perf_counter()
+        self.ctrl.send(msgpack.packb([size, n, "tcp"]))
+        for i in range(n):
+            o = (i % ring) * size
+            view, got = dst[o:o + size], 0
+            while got < size:
+                k = recv_into(view[got:])
+                if not k:
+                    raise TransferdError("bench: the raw tcp sender closed its connection")
+                got += k
+        dt = time.perf_counter() - t0
+        del view, dst, conn
+        if not self.ctrl.poll(30_000) or self.ctrl.recv() != b"sent":
+            raise TransferdError("bench: the raw tcp sender did not confirm")
+        cpu1 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
+        out: dict[str, Any] = {"gbps": n * size / dt / 1e9}
+        if None not in cpu0 and None not in cpu1:
             gb = n * size / 1e9
             out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
             out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
@@ -756,6 +799,7 @@ class _Bench:
         for key in SIZES:
             out.append((f"memcpy/{key}", partial(self.memcpy, key)))
             out.append((f"raw_zmq/{key}", partial(self.raw_zmq, key)))
+            out.append((f"raw_tcp/{key}", partial(self.raw_tcp, key)))
         for key in BULK_KEYS:
             out.append((f"bulk/{key}", partial(self.bulk_room, key)))
             out.append((f"bulk_shm/{key}", partial(self.bulk_room, key, same_host=True)))
@@ -836,6 +880,9 @@ class _Bench:
         for s in (self.pull, self.ctrl):
             if s is not None:
                 s.close(linger=0)
+        for t in (self.tcp, self.tcp_listen):
+            if t is not None:
+                t.close()
         if self.raw_ctx is not None:
             self.raw_ctx.term()
         if self.mooncake is not None:
@@ -861,6 +908,11 @@ class _Bench:
                                         for key in SIZES},
                 "transferd_tcp_vs_mooncake_tcp_by_size": {key: _r(paired(f"bulk/{key}", f"mooncake/{key}"), 3)
                                                           for key in SIZES},
+                # what 2 × Mooncake asks of any transport: its rate doubled, over the raw TCP limit
+                # measured in the same rounds (> 1: beyond a plain socket on this host)
+                "twice_mooncake_vs_raw_tcp_by_size": {key: _r(_median([2 * m["gbps"] / t["gbps"] for m, t in zip(
+                    self.results.get(f"mooncake/{key}", []), self.results.get(f"raw_tcp/{key}", []))
+                    if m.get("gbps") and t.get("gbps")]), 3) for key in SIZES},
                 "mooncake_tcp_mismatched_bytes": self.mooncake.mismatched}
 
     def dump_logs(self) -> None:
@@ -881,12 +933,12 @@ class _Bench:
                   if x.get(key_a) and y.get(key_b)]
             return _median(xs)
 
-        limits: dict[str, Any] = {"memcpy": {}, "raw_zmq_tcp": {}}
+        limits: dict[str, Any] = {"memcpy": {}, "raw_zmq_tcp": {}, "raw_tcp": {}}
         for key, size in SIZES.items():
-            for name, out in (("memcpy", "memcpy"), ("raw_zmq", "raw_zmq_tcp")):
+            for name, out in (("memcpy", "memcpy"), ("raw_zmq", "raw_zmq_tcp"), ("raw_tcp", "raw_tcp")):
                 limits[out][key] = {"message_bytes": size, "gbps": _r(med(f"{name}/{key}", "gbps"), 3),
                                     "rounds": [_r(r["gbps"], 3) for r in res.get(f"{name}/{key}", [])]}
-                if name == "raw_zmq":
+                if name != "memcpy":
                     for side in ("receiver", "sender"):
                         limits[out][key][f"{side}_cpu_s_per_gb"] = _r(med(f"{name}/{key}", f"{side}_cpu_s_per_gb"), 3)
         limits["bytes_per_measurement"] = self.plan.bulk_room_bytes * self.plan.bulk_rooms
@@ -894,7 +946,9 @@ class _Bench:
                            "message-sized pieces over a ring as large as a bulk run. raw_zmq_tcp: pyzmq "
                            "PUSH/PULL on tcp://127.0.0.1, separate messages (not multipart) sent zero-copy "
                            "(copy=False) out of a pool by another process; the receiver copies every frame "
-                           "into a pool.")
+                           "into a pool. raw_tcp: the same messages through one plain TCP connection on "
+                           "127.0.0.1, sendall out of the pool, recv_into straight into the destination pool "
+                           "(one kernel copy a side): what any TCP transport can reach on this host.")
         bulk: dict[str, Any] = {}
         by_size: dict[str, float | None] = {}
         for key in BULK_KEYS:
@@ -912,6 +966,7 @@ class _Bench:
                 "gbps": _r(med(f"bulk/{key}", "gbps"), 3),
                 "rounds": [_r(r["gbps"], 3) for r in res.get(f"bulk/{key}", [])],
                 "vs_raw_zmq": _r(ratio, 3),
+                "vs_raw_tcp": _r(paired(f"bulk/{key}", f"raw_tcp/{msg_key}"), 3),
                 "vs_memcpy": _r(paired(f"bulk/{key}", f"memcpy/{msg_key}"), 3),
                 "receiver_cpu_s_per_gb": _r(med(f"bulk/{key}", "receiver_cpu_s_per_gb"), 3),
                 "sender_cpu_s_per_gb": _r(med(f"bulk/{key}", "sender_cpu_s_per_gb"), 3),
@@ -1142,10 +1197,11 @@ def _host() -> dict[str, Any]:
 # -- the raw zmq sender (its own process) ---------------------------------------------------------
 
 def raw_zmq_sender_main(argv: list[str]) -> int:
-    """``python -c ... raw_zmq_sender_main(ctrl, data, pool)``: on each ``[size, count]`` from the
-    control socket, send ``count`` messages of ``size`` bytes zero-copy out of buffer 0 of the pool;
+    """``python -c ... raw_zmq_sender_main(ctrl, data, pool, tcp_host:port)``: on each ``[size,
+    count, "zmq"|"tcp"]`` from the control socket, send ``count`` messages of ``size`` bytes out of
+    buffer 0 of the pool, zero-copy through ZeroMQ or ``sendall`` on a plain TCP connection;
     ``None`` ends it."""
-    ctrl_ep, data_ep, pool_name = argv
+    ctrl_ep, data_ep, pool_name, tcp_addr = argv
     keep_message_buffers_mapped()
     pool = Pool.attach(pool_name)
     src = pool.rows[0].reshape(-1)
@@ -1156,6 +1212,10 @@ def raw_zmq_sender_main(argv: list[str]) -> int:
     ctrl = ctx.socket(zmq.PAIR)
     ctrl.setsockopt(zmq.LINGER, 0)
     ctrl.connect(ctrl_ep)
+    host, _, port = tcp_addr.rpartition(":")
+    tcp = socket.create_connection((host, int(port)))
+    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(src)
     ctrl.send(b"ready")
     try:
         while True:
@@ -1164,13 +1224,20 @@ def raw_zmq_sender_main(argv: list[str]) -> int:
             cmd = msgpack.unpackb(ctrl.recv())
             if not cmd:
                 return 0
-            size, count = int(cmd[0]), int(cmd[1])
+            size, count, how = int(cmd[0]), int(cmd[1]), cmd[2]
             ring = src.size // size
-            for i in range(count):
-                o = (i % ring) * size
-                push.send(src[o:o + size].data, copy=False)
+            if how == "tcp":
+                for i in range(count):
+                    o = (i % ring) * size
+                    tcp.sendall(view[o:o + size])
+            else:
+                for i in range(count):
+                    o = (i % ring) * size
+                    push.send(src[o:o + size].data, copy=False)
             ctrl.send(b"sent")
     finally:
+        tcp.close()
+        del view
         push.close(linger=0)
         ctrl.close(linger=0)
         ctx.term()
@@ -1198,8 +1265,15 @@ def format_table(out: dict[str, Any]) -> str:
     for side in ("receiver", "sender"):
         lines.append(f"  {side} CPU s/GB".ljust(34)
                      + "".join(_f(lim["raw_zmq_tcp"][k].get(f"{side}_cpu_s_per_gb")).rjust(w) for k in keys))
+    if "raw_tcp" in lim:
+        lines.append("raw tcp socket, recv_into GB/s".ljust(34) + "".join(_f(lim["raw_tcp"][k]["gbps"]).rjust(w)
+                                                                     for k in keys))
+        for side in ("receiver", "sender"):
+            lines.append(f"  {side} CPU s/GB".ljust(34)
+                         + "".join(_f(lim["raw_tcp"][k].get(f"{side}_cpu_s_per_gb")).rjust(w) for k in keys))
     lines.append("transferd tcp (scattered) GB/s".ljust(34) + "".join(_f(bulk[k]["gbps"]).rjust(w) for k in keys))
     lines.append("  × raw pyzmq".ljust(34) + "".join(_f(bulk[k]["vs_raw_zmq"]).rjust(w) for k in keys))
+    lines.append("  × raw tcp socket".ljust(34) + "".join(_f(bulk[k].get("vs_raw_tcp")).rjust(w) for k in keys))
     lines.append("  × memcpy".ljust(34) + "".join(_f(bulk[k]["vs_memcpy"]).rjust(w) for k in keys))
     lines.append("  receiver CPU s/GB".ljust(34) + "".join(_f(bulk[k]["receiver_cpu_s_per_gb"]).rjust(w) for k in keys))
     lines.append("  sender CPU s/GB".ljust(34) + "".join(_f(bulk[k]["sender_cpu_s_per_gb"]).rjust(w) for k in keys))
@@ -1209,6 +1283,9 @@ def format_table(out: dict[str, Any]) -> str:
         lines.append("Mooncake TE tcp (peer) GB/s".ljust(34) + "".join(_f(mc[k]).rjust(w) for k in keys))
         rel = peers["transferd_tcp_vs_mooncake_tcp_by_size"]
         lines.append("  transferd tcp × Mooncake".ljust(34) + "".join(_f(rel[k]).rjust(w) for k in keys))
+        need = peers.get("twice_mooncake_vs_raw_tcp_by_size")
+        if need:
+            lines.append("  2 × Mooncake ÷ raw tcp socket".ljust(34) + "".join(_f(need[k]).rjust(w) for k in keys))
     bc = bulk["64KiB_contig"]
     lines.append(f"transferd tcp, 64 KiB rows on contiguous pages (1 MiB messages): {_f(bc['gbps'])} GB/s, "
                  f"{_f(bc['vs_raw_zmq'])} × raw pyzmq 1 MiB")

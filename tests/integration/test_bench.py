@@ -57,16 +57,16 @@ def test_every_measured_room_was_byte_exact(run: tuple[dict[str, Any], str]) -> 
 
 def test_limits_and_bulk_have_a_figure_per_size(run: tuple[dict[str, Any], str]) -> None:
     out, _ = run
-    for path in ("memcpy", "raw_zmq_tcp"):
+    for path in ("memcpy", "raw_zmq_tcp", "raw_tcp"):
         for key in SIZES:
             entry = out["limits"][path][key]
             assert _pos(entry["gbps"]), (path, key, entry)
             assert len(entry["rounds"]) == out["repeats"]
-            if path == "raw_zmq_tcp":  # the baseline's CPU per byte, beside transferd's
+            if path != "memcpy":  # the baselines' CPU per byte, beside transferd's
                 assert _pos(entry["receiver_cpu_s_per_gb"]) and _pos(entry["sender_cpu_s_per_gb"]), entry
     for key in BULK:
         b = out["bulk"][key]
-        assert _pos(b["gbps"]) and _pos(b["vs_raw_zmq"]) and _pos(b["vs_memcpy"]), (key, b)
+        assert _pos(b["gbps"]) and _pos(b["vs_raw_zmq"]) and _pos(b["vs_memcpy"]) and _pos(b["vs_raw_tcp"]), (key, b)
         assert b["room_bytes"] > 0 and b["rooms_per_measurement"] > 0
         assert b["shm_share"] == 0.0  # the TCP column really went over TCP
     assert _pos(out["ratios"]["tcp_vs_raw_zmq"])
