@@ -14,6 +14,7 @@ class Accounting:
     bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     frames: int = 0
     shm_bytes: int = 0  # the part of ``bytes`` moved by the same-host path (not on the wire)
+    stream_bytes: int = 0  # the part of ``bytes`` moved on data streams (stream.py), not through ZeroMQ
     state_bytes_skipped: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
@@ -30,6 +31,7 @@ class Accounting:
             "bytes": dict(self.bytes),
             "frames": self.frames,
             "shm_bytes": self.shm_bytes,
+            "stream_bytes": self.stream_bytes,
             "state_bytes_skipped": self.state_bytes_skipped,
             "refused": dict(self.refused),
             "dropped": dict(self.dropped),

@@ -321,9 +321,11 @@ class _Bench:
         self.clusters[name] = c
         return c
 
-    def _group(self, c: _Cluster, name: str, cp: int, same_host: bool = False, dedup: bool = True) -> _Group:
+    def _group(self, c: _Cluster, name: str, cp: int, same_host: bool = False, dedup: bool = True,
+               stream: bool = True) -> _Group:
         env = {**c.env, "TRANSFERD_SENDER_GROUP": name, "TRANSFERD_SENDER_CP_SIZE": str(cp),
                "TRANSFERD_SENDER_DEDUP": "true" if dedup else "false",
+               "TRANSFERD_SENDER_DATA_STREAM": "auto" if stream else "off",
                "TRANSFERD_SENDER_SAME_HOST": "auto" if same_host else "off"}  # TCP loopback unless asked
         g = _Group(name, cp, load(c.cfg_path, env=env))
         for rank in range(cp):
@@ -401,6 +403,7 @@ class _Bench:
         for c in self.bulk.values():
             self._group(c, f"b{c.name[4:]}", 1)
             self._group(c, f"s{c.name[4:]}", 1, same_host=True)
+            self._group(c, f"z{c.name[4:]}", 1, stream=False)  # TCP through the ZeroMQ socket only
         for cp in DEDUP_CPS:
             self._group(self.ds, f"ds{cp}", cp)
         for cp in DEDUP_CPS[1:]:  # the same groups with the de-dup off: every rank ships the state
@@ -642,11 +645,13 @@ class _Bench:
             out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
         return out
 
-    def bulk_room(self, key: str, same_host: bool = False) -> dict[str, Any]:
+    def bulk_room(self, key: str, path: str = "tcp") -> dict[str, Any]:
+        """Bulk rooms of one sender: ``tcp`` (the default path between hosts: a data stream),
+        ``shm`` (the same-host path) or ``zmq`` (TCP through the ZeroMQ socket, no data stream)."""
         contig = key.endswith("_contig")
         c = self.bulk[key.split("_")[0]]
         assert c.dc is not None and c.rx is not None
-        g = list(c.groups.values())[1 if same_host else 0]
+        g = list(c.groups.values())[("tcp", "shm", "zmq").index(path)]
         pc, sp = g.pcs[0], g.pools[0]
         P, R = c.pages, self.plan.bulk_rooms
         rooms: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -662,7 +667,8 @@ class _Bench:
             pc.submit(room, 0, src.tolist(), last=True, aux_slot=j)
             rooms.append((room, src, dst))
         self._poison(c, rooms[0][2], {}, 0)
-        shm0 = int(pc.stats().get("shm_bytes", 0))
+        s0 = pc.stats()
+        shm0, stream0 = int(s0.get("shm_bytes", 0)), int(s0.get("stream_bytes", 0))
         cpu0 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
         expects = [{"room": room, "group": g.name, "dst_pages": dst.tolist(), "aux_slot": j}
                    for j, (room, _, dst) in enumerate(rooms)]
@@ -673,13 +679,14 @@ class _Bench:
         ok = self._wait_all(c, [(g.name, room) for room, _, _ in rooms])
         dt = time.perf_counter() - t0
         cpu1 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
-        shm = int(pc.stats().get("shm_bytes", 0)) - shm0
+        s1 = pc.stats()
+        shm, stream = int(s1.get("shm_bytes", 0)) - shm0, int(s1.get("stream_bytes", 0)) - stream0
         room0, src0, dst0 = rooms[0]
         self._verify(c, g, dst0, [src0], {}, {}, 0, 0)
         self._release(c, [(g.name, room) for room, _, _ in rooms])
         nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
         out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
-                               "shm_share": shm / nbytes}
+                               "shm_share": shm / nbytes, "stream_share": stream / nbytes}
         if None not in cpu0 and None not in cpu1:
             gb = nbytes / 1e9
             out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
@@ -802,7 +809,8 @@ class _Bench:
             out.append((f"raw_tcp/{key}", partial(self.raw_tcp, key)))
         for key in BULK_KEYS:
             out.append((f"bulk/{key}", partial(self.bulk_room, key)))
-            out.append((f"bulk_shm/{key}", partial(self.bulk_room, key, same_host=True)))
+            out.append((f"bulk_shm/{key}", partial(self.bulk_room, key, "shm")))
+        out.append(("bulk_zmq/1MiB", partial(self.bulk_room, "1MiB", "zmq")))
         for cp in DEDUP_CPS:
             out.append((f"dedup_on/{cp}", partial(self.dedup_on, cp)))
             if cp > 1:
@@ -971,7 +979,20 @@ class _Bench:
                 "receiver_cpu_s_per_gb": _r(med(f"bulk/{key}", "receiver_cpu_s_per_gb"), 3),
                 "sender_cpu_s_per_gb": _r(med(f"bulk/{key}", "sender_cpu_s_per_gb"), 3),
                 "shm_share": _r(med(f"bulk/{key}", "shm_share"), 4),
+                "stream_share": _r(med(f"bulk/{key}", "stream_share"), 4),
             }
+        zmq_only = "bulk_zmq/1MiB"
+        bulk["1MiB"]["zmq_socket"] = {
+            "note": ("the same rooms from a sender with data_stream = \"off\": data messages through the ZeroMQ "
+                     "socket (the path with CURVE, or with the stream off); the 1MiB figures above went on a "
+                     "data stream (stream_share = 1.0)"),
+            "gbps": _r(med(zmq_only, "gbps"), 3), "rounds": [_r(r["gbps"], 3) for r in res.get(zmq_only, [])],
+            "vs_raw_zmq": _r(paired(zmq_only, "raw_zmq/1MiB"), 3),
+            "stream_vs_zmq_socket": _r(paired("bulk/1MiB", zmq_only), 3),
+            "receiver_cpu_s_per_gb": _r(med(zmq_only, "receiver_cpu_s_per_gb"), 3),
+            "sender_cpu_s_per_gb": _r(med(zmq_only, "sender_cpu_s_per_gb"), 3),
+            "stream_share": _r(med(zmq_only, "stream_share"), 4),
+        }
         same_host: dict[str, Any] = {
             "available": True,
             "note": ("the same rooms from a sender with same_host = \"auto\" into the same receiver: data-refs "
@@ -1289,6 +1310,10 @@ def format_table(out: dict[str, Any]) -> str:
     bc = bulk["64KiB_contig"]
     lines.append(f"transferd tcp, 64 KiB rows on contiguous pages (1 MiB messages): {_f(bc['gbps'])} GB/s, "
                  f"{_f(bc['vs_raw_zmq'])} × raw pyzmq 1 MiB")
+    zs = bulk["1MiB"].get("zmq_socket")
+    if zs:
+        lines.append(f"transferd tcp without the data stream (ZeroMQ socket), 1 MiB rows: {_f(zs['gbps'])} GB/s, "
+                     f"{_f(zs['vs_raw_zmq'])} × raw pyzmq; the stream is {_f(zs['stream_vs_zmq_socket'])} × this")
     sh = out["same_host"]
     if sh.get("available"):
         lines.append("transferd same-host (rows) GB/s".ljust(34) + "".join(_f(sh[k]["gbps"]).rjust(w) for k in keys))

@@ -73,6 +73,8 @@ class ReceiverConfig:
     stall_timeout_s: float = 60.0
     waiting_timeout_s: float = 600.0  # assigned, but the prefill side never started sending
     same_host: str = "auto"  # read same-host senders' pools directly ("auto") or never ("off")
+    data_stream: str = "auto"  # offer senders a plain TCP data stream ("auto": tcp:// bind, no CURVE) or not ("off")
+    stream_port: int = 0  # the data stream's TCP port on the bind address (0 = any free port)
     max_frame_bytes: int = 64 << 20
     send_hwm: int = 100_000
     recv_hwm: int = 32
@@ -107,6 +109,7 @@ class SenderConfig:
     same_host: str = "auto"  # offer this pool to a receiver on the same host ("auto") or never ("off")
     shm_message_bytes: int = 16 << 20  # rows per data-refs message on the same-host path
     zero_copy: str = "direct"  # "direct": rows handed to libzmq with no reference kept; "pyzmq": pyzmq frames
+    data_stream: str = "auto"  # send data on the receiver's data stream when it offers one ("auto") or never ("off")
     dedup: bool = True  # pages split: only rank 0 sends the replicated state; false: every rank does (the group agrees)
     drain_timeout_s: float = 30.0
     metrics_bind: str = "127.0.0.1:9470"  # Prometheus endpoint; the CP rank is added to the port
@@ -206,9 +209,12 @@ class Config:
                 raise ConfigError(f"{what} {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
         checksum_function(s.checksum)
         r, f = self.receiver, self.faults
-        for what, mode in (("sender.same_host", s.same_host), ("receiver.same_host", r.same_host)):
+        for what, mode in (("sender.same_host", s.same_host), ("receiver.same_host", r.same_host),
+                           ("sender.data_stream", s.data_stream), ("receiver.data_stream", r.data_stream)):
             if mode not in ("auto", "off"):
                 raise ConfigError(f"{what} must be 'auto' or 'off', not {mode!r}")
+        if not 0 <= r.stream_port <= 65535:
+            raise ConfigError(f"receiver.stream_port must lie in [0, 65535], not {r.stream_port}")
         if s.zero_copy not in ("direct", "pyzmq"):
             raise ConfigError(f"sender.zero_copy must be 'direct' or 'pyzmq', not {s.zero_copy!r}")
         _at_least(0, True, r.stall_timeout_s, "receiver.stall_timeout_s", r.bootstrap_timeout_s,

@@ -46,6 +46,10 @@ class _AgentCollector(Collector):
                                 labels=["direction"])
         c.add_metric([direction], snap["shm_bytes"])
         yield c
+        c = CounterMetricFamily("transferd_stream_bytes", "Part of transferd_bytes moved on data streams (plain TCP, "
+                                "not through ZeroMQ)", labels=["direction"])
+        c.add_metric([direction], snap["stream_bytes"])
+        yield c
         c = CounterMetricFamily("transferd_frames", "Data messages moved", labels=["direction"])
         c.add_metric([direction], snap["frames"])
         yield c

@@ -40,11 +40,13 @@ from .protocol.messages import (
 )
 from .protocol.policy import RankPlan, SplitMode, group_plans
 from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance, runs
+from .stream import HELLO_MAGIC, KEY_BYTES, StreamReader, StreamServer, Target, stream_host
 from .transport import LocalApiServer, LoopSocket, configure, is_wildcard, load_keypair, watch_handshakes
 
 log = logging.getLogger(__name__)
 
 AUX_GUARD = np.dtype("<u8")
+DIRECT_MIN_BYTES = 64 << 10  # stream payloads this large are read straight into the rows; smaller ones via a buffer
 
 
 @dataclass(slots=True)
@@ -60,11 +62,16 @@ class Peer:
     epoch: int = 0
     checksum: Callable[[Any], int] | None = None
     src_pool: Pool | None = None  # the same-host path: this sender's pool, read by the receiver
+    stream_key: bytes = b""  # the data stream offered at registration (its hello carries this key)
+    stream: StreamReader | None = None
 
     def close(self) -> None:
         if self.src_pool is not None:
             self.src_pool.close()
             self.src_pool = None
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.close("the peer's registration ended")
 
 
 @dataclass(slots=True)
@@ -129,6 +136,8 @@ class Receiver(AgentBase):
         self._plans: dict[tuple[int, SplitMode, int, int, bool], list[RankPlan]] = {}
         self._row_bytes = [b.row_bytes for b in self.layout.buffers]
         self._kind_of = [b.kind for b in self.layout.buffers]
+        self.streams: StreamServer | None = None
+        self._stream_keys: dict[bytes, bytes] = {}  # offered stream key -> peer identity
         self.metrics_bind = self.rcfg.metrics_bind
         self.drain_timeout_s = self.rcfg.drain_timeout_s
 
@@ -158,6 +167,9 @@ class Receiver(AgentBase):
         self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._slow_s = self.cfg.faults.slow_receiver_ms / 1000.0
         self.link = LoopSocket(self.router, self._on_message, self.name, copy=False)
+        host = stream_host(self.data_endpoint)
+        if self.rcfg.data_stream == "auto" and host is not None and not self.rcfg.curve_secret_key:
+            self.streams = StreamServer(host, self.rcfg.stream_port, self, self.rcfg.max_frame_bytes)
         self.api = LocalApiServer(self.zctx, self.cfg.receiver_engine_socket(), {
             "expect": self._api_expect, "poll": self._api_poll, "wait": self._api_wait,
             "abort": self._api_abort, "release": self._api_release, "stats": lambda r: self.stats(),
@@ -168,7 +180,8 @@ class Receiver(AgentBase):
         self.spawn(self._tick_loop(), "tick")
         assert self.ready is not None
         self.ready.set()
-        log.info("%s: data on %s, engine API on %s, pool %s (%s)", self.name, self.data_endpoint,
+        log.info("%s: data on %s%s, engine API on %s, pool %s (%s)", self.name, self.data_endpoint,
+                 f" and data streams on port {self.streams.port}" if self.streams else "",
                  self.engine_endpoint, self.pool.name, self.layout.fingerprint())
 
     def _setup_curve(self) -> None:
@@ -206,6 +219,8 @@ class Receiver(AgentBase):
         await asyncio.sleep(0.05)  # let the engines' pending waits and the senders' statuses go out
         for peer in self.peers.values():
             peer.close()
+        if self.streams is not None:
+            self.streams.close()
         if hasattr(self, "api"):
             self.api.close()
         if hasattr(self, "link"):
@@ -388,12 +403,20 @@ class Receiver(AgentBase):
             log.warning("%s: %s", self.name, reason)
             self._fail_rooms_assigned_to(msg.group, msg.rank, old_ident, "peer_restarted", reason)
         group.ranks[msg.rank] = ident
-        self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
-                                 msg.epoch, checksum, src_pool)
-        self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation, shm=src_pool is not None))
+        peer = self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
+                                        msg.epoch, checksum, src_pool)
+        port = 0
+        if msg.stream and self.streams is not None and src_pool is None:
+            if len(self._stream_keys) > 4096:  # keys of peers that never connected
+                self._stream_keys = {k: i for k, i in self._stream_keys.items() if i in self.peers}
+            peer.stream_key, port = os.urandom(KEY_BYTES), self.streams.port
+            self._stream_keys[peer.stream_key] = ident
+        self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation, shm=src_pool is not None,
+                                     stream_port=port, stream_key=peer.stream_key))
         log.info("%s: registered %s rank %d/%d (%s, incarnation %x, pid %d on %s, %s)", self.name, msg.group,
                  msg.rank, msg.cp_size, split.value, msg.incarnation, msg.pid, msg.host,
-                 f"same-host path via pool {msg.pool}" if src_pool is not None else "data over the socket")
+                 f"same-host path via pool {msg.pool}" if src_pool is not None else
+                 f"data stream on port {port}" if port else "data over the socket")
         for room in self._rooms_of(msg.group):
             if not room.status.state.terminal and room.assigned.get(msg.rank) is None:
                 self._assign(room, group, msg.rank)
@@ -419,24 +442,45 @@ class Receiver(AgentBase):
     def _rooms_of(self, group: str) -> list[DecodeRoom]:
         return [r for r in self.rooms.values() if r.req.group == group]
 
-    def _on_data(self, peer: Peer, msg: Data | DataRef | DataRefs, payload: memoryview | None) -> None:
+    def _data_room(self, peer: Peer, msg: Data | DataRef | DataRefs) -> DecodeRoom | None:
+        """The live room a data message is for, if this peer may write it and the buffer is of
+        the kind the message says (checks that need no payload byte)."""
         room = self.by_tok.get(msg.tok)
         if room is None:
             self._refuse("unknown_room", f"data for unknown transfer token {msg.tok:x}", peer.ident)
-            return
+            return None
         if room.status.state.terminal:
             self.acct.dropped["room_not_live"] += 1  # late frames after abort/failure: never written
-            return
+            return None
         if room.assigned.get(peer.rank) != peer.ident or room.req.group != peer.group:
             self._refuse("wrong_peer", f"{peer.group} rank {peer.rank} sent data for room {room.key} "
                                        "it was not assigned", peer.ident)
-            return
-        tracker = room.tracker
-        assert tracker is not None and self.pool is not None
+            return None
         if msg.buffer >= len(self._row_bytes) or KINDS[msg.kind] != self._kind_of[msg.buffer]:
             self._reject_frame(room, peer, "unexpected", f"data kind {msg.kind} for buffer {msg.buffer} "
                                                          "does not match the layout")
+            return None
+        return room
+
+    def _landed(self, room: DecodeRoom, msg: Data | DataRef | DataRefs, nbytes: int, shm: bool) -> None:
+        """Rows of a room are in place: count them, and end the room if that completes it."""
+        self.acct.add(self._kind_of[msg.buffer], nbytes)
+        room.received += nbytes
+        if shm:
+            self.acct.shm_bytes += nbytes
+        room.last_progress = time.monotonic()
+        if room.status.state is not RoomState.TRANSFERRING:
+            room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
+        assert room.tracker is not None
+        if room.tracker.complete:
+            self._finish(room, RoomStatus(RoomState.SUCCESS))
+
+    def _on_data(self, peer: Peer, msg: Data | DataRef | DataRefs, payload: memoryview | None) -> None:
+        room = self._data_room(peer, msg)
+        if room is None:
             return
+        tracker = room.tracker
+        assert tracker is not None and self.pool is not None
         row_bytes = self._row_bytes[msg.buffer]
         nbytes = msg.count * row_bytes
         src_rows: np.ndarray | None = None  # data-refs: the sender's rows, one per position
@@ -500,15 +544,105 @@ class Receiver(AgentBase):
                 dst_pool[first:first + msg.count] = src
             else:
                 dst_pool[rows] = src
-        self.acct.add(self._kind_of[msg.buffer], nbytes)
-        room.received += nbytes
-        if src_pool is not None:
-            self.acct.shm_bytes += nbytes
-        room.last_progress = time.monotonic()
-        if room.status.state is not RoomState.TRANSFERRING:
-            room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
-        if tracker.complete:
-            self._finish(room, RoomStatus(RoomState.SUCCESS))
+        self._landed(room, msg, nbytes, src_pool is not None)
+
+    # -- data streams (stream.py) --------------------------------------------------------
+    def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
+        if not hello.startswith(HELLO_MAGIC):
+            self._refuse("stream_hello", f"data stream from {reader.addr} began {hello[:8]!r}, not a hello")
+            return False
+        key = hello[len(HELLO_MAGIC):]
+        ident = self._stream_keys.pop(key, None)
+        peer = self.peers.get(ident) if ident is not None else None
+        if peer is None or peer.stream_key != key or peer.stream is not None:
+            self._refuse("stream_key", f"data stream from {reader.addr} with a key no registered peer holds")
+            return False
+        peer.stream, reader.peer = reader, peer
+        log.info("%s: %s rank %d sends its data on a stream from %s", self.name, peer.group, peer.rank, reader.addr)
+        return True
+
+    def stream_closed(self, reader: StreamReader, reason: str) -> None:
+        peer = reader.peer
+        if peer is not None and peer.stream is reader and self.peers.get(peer.ident) is peer:
+            peer.stream = None  # a broken stream is a lost connection: its rooms cannot complete
+            self._peer_lost(peer, f"prefill {peer.group} rank {peer.rank} (pid {peer.pid} on {peer.host}): {reason}",
+                            heartbeat=False)
+        elif reason and peer is None:
+            log.info("%s: %s", self.name, reason)
+
+    def stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
+        """A record's header has arrived: check it and say where its payload goes (an empty
+        target drops the payload)."""
+        peer: Peer | None = reader.peer
+        drop = Target([])
+        if peer is None or self.peers.get(peer.ident) is not peer:
+            return drop
+        peer.last_seen = time.monotonic()
+        try:
+            msg = decode_header(header)
+        except TransferdError as exc:
+            self._refuse(exc.code, f"data stream: {exc}", peer.ident)
+            return drop
+        if isinstance(msg, Done):
+            if payload_len:
+                self._refuse("malformed", f"done record with a {payload_len}-byte payload", peer.ident)
+            else:
+                self._on_done(peer, msg)
+            return drop
+        if not isinstance(msg, (Data, DataBatch)):
+            self._refuse("unexpected_type", f"{type(msg).__name__} on a data stream (data, data-batch and done "
+                                            "only)", peer.ident)
+            return drop
+        entries = msg.entries if isinstance(msg, DataBatch) else (msg,)
+        sizes = [e.count * self._row_bytes[e.buffer] if e.buffer < len(self._row_bytes) else -1 for e in entries]
+        if min(sizes) < 0 or sum(sizes) != payload_len:
+            room = self._data_room(peer, entries[0])  # refuses an unknown room or buffer by itself
+            if room is not None:
+                self._reject_frame(room, peer, "length_mismatch", f"data stream record of {payload_len} payload "
+                                                                  f"bytes for rows of {sum(sizes)} bytes")
+            return drop
+        if isinstance(msg, Data) and peer.checksum is None and msg.kind != 2 and payload_len >= DIRECT_MIN_BYTES:
+            return self._stream_direct(peer, msg, payload_len)
+        buf = reader.buffer(payload_len)  # this stream's own: records of several streams interleave
+
+        def deliver() -> None:  # then exactly as the same message from the ZeroMQ socket
+            o, before = 0, sum(self.acct.bytes.values())
+            for entry, size in zip(entries, sizes):
+                self._on_data(peer, entry, buf[o:o + size])
+                o += size
+            self.acct.stream_bytes += sum(self.acct.bytes.values()) - before  # what was written
+            self._after_data(reader)
+        return Target([buf[:payload_len]], deliver)
+
+    def _stream_direct(self, peer: Peer, msg: Data, nbytes: int) -> Target:
+        """A large payload is read straight into its destination rows: every check first, the
+        rows claimed in the tracker, then the bytes; if the room ends while they arrive, the rest
+        is dropped (the stream reader asks before each read)."""
+        room = self._data_room(peer, msg)
+        if room is None:
+            return Target([])
+        assert room.tracker is not None and self.pool is not None
+        try:
+            first, rows = room.tracker.accept(peer.rank, msg.kind, msg.buffer, msg.pos, msg.count)
+        except Refused as exc:
+            self._reject_frame(room, peer, exc.code, exc.reason)
+            return Target([])
+        dst = self.pool.rows[msg.buffer]
+        if rows is None:
+            views = [memoryview(dst[first:first + msg.count].reshape(-1))]
+        else:
+            views = [memoryview(dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1)) for a, b in runs(rows, rows)]
+        reader = peer.stream
+
+        def landed() -> None:
+            self._landed(room, msg, nbytes, False)
+            self.acct.stream_bytes += nbytes
+            self._after_data(reader)
+        return Target(views, landed, lambda: not room.status.state.terminal)
+
+    def _after_data(self, reader: StreamReader | None) -> None:
+        if self._slow_s and reader is not None:
+            reader.pause(self._slow_s)  # fault injection: a slow decode side
 
     def _reject_frame(self, room: DecodeRoom, peer: Peer, code: str, reason: str) -> None:
         self._refuse(code, f"room {room.key}: {reason}", peer.ident)

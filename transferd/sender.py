@@ -38,6 +38,7 @@ from .protocol.messages import (
 from .protocol.policy import RankPlan, SplitMode, rank_plan
 from .protocol.room import RoomState, RoomStatus, advance, runs
 from . import zerocopy
+from .stream import PREFIX, StreamWriter, stream_host
 from .transport import LocalApiServer, LoopSocket, configure, load_keypair, load_public_key, watch_handshakes
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class Conn:
     last_register: float = 0.0
     epoch: int = 0
     shm: bool = False  # the receiver reads our pool directly (same host)
+    stream: StreamWriter | None = None  # data, data-batch and done go on this plain TCP stream (stream.py)
 
 
 @dataclass(slots=True)
@@ -129,6 +131,7 @@ class SenderAgent(AgentBase):
         self.metrics_port_offset = s.cp_rank
         self.drain_timeout_s = s.drain_timeout_s
         self._burst = 0  # messages sent since the data path last gave the loop a turn
+        self._on_stream = False  # the last message _emit sent went on a data stream
         self._plans: dict[tuple[int, int], RankPlan] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -195,6 +198,7 @@ class SenderAgent(AgentBase):
         if hasattr(self, "api"):
             self.api.close()
         for c in self.conns:
+            self._drop_stream(c)
             c.link.close(linger=500)
         if self.pool is not None and self._own_pool:
             self.pool.unlink()  # the name goes now; the mapping stays until the context is gone
@@ -215,7 +219,8 @@ class SenderAgent(AgentBase):
                                        os.getpid(), socket.gethostname(), conn.epoch, self.scfg.checksum,
                                        host_boot_id(), self.pool.name if self.scfg.same_host == "auto" and self.pool
                                        else "", self.pool.pool_id if self.pool else 0, self.scfg.max_message_bytes,
-                                       self.scfg.dedup))
+                                       self.scfg.dedup, self.scfg.data_stream == "auto"
+                                       and stream_host(conn.endpoint) is not None))
 
     def _send_ctrl(self, conn: Conn, msg: Any) -> None:
         """Small control message, never blocking the loop (dropped and counted if the pipe is full)."""
@@ -270,8 +275,16 @@ class SenderAgent(AgentBase):
                 self._conn_lost(conn, f"receiver {conn.receiver} restarted")
             conn.state, conn.receiver, conn.receiver_inc, conn.reason = "registered", msg.receiver, msg.incarnation, ""
             conn.shm = msg.shm
+            self._drop_stream(conn)
+            host = stream_host(conn.endpoint)
+            if msg.stream_port and host is not None and not msg.shm:
+                writer = conn.stream = StreamWriter(f"{self.name} → {conn.endpoint}", lambda why: None)
+                writer.on_lost = functools.partial(self._stream_lost, conn, writer)
+                self.spawn(self._connect_stream(conn, writer, host, msg.stream_port, msg.stream_key),
+                           f"stream {conn.endpoint}")
             log.info("%s: registered with receiver %s at %s (%s)", self.name, msg.receiver, conn.endpoint,
-                     "same-host path: the receiver reads this pool" if msg.shm else "data over the socket")
+                     "same-host path: the receiver reads this pool" if msg.shm else
+                     f"data stream to port {msg.stream_port}" if conn.stream else "data over the socket")
         elif msg.retry:
             if conn.state == "registered":
                 self._conn_lost(conn, f"receiver {msg.receiver} at {conn.endpoint} no longer knows this sender "
@@ -341,10 +354,34 @@ class SenderAgent(AgentBase):
         state = RoomState.SUCCESS if msg.state == "success" else RoomState.FAILED
         self._set_terminal(room, RoomStatus(state, msg.code, msg.reason))
 
+    async def _connect_stream(self, conn: Conn, writer: StreamWriter, host: str, port: int, key: bytes) -> None:
+        try:
+            await writer.connect(host, port, key, 5.0)
+        except TransferdError as exc:
+            if conn.stream is writer:  # nothing went on it yet: the data takes the ZeroMQ socket
+                conn.stream = None
+                self.acct.dropped["stream_connect_failed"] += 1
+                log.warning("%s: %s; data to receiver %s goes over its ZeroMQ socket instead (open the port, "
+                            "fix receiver.stream_port, or set sender.data_stream = \"off\")", self.name, exc,
+                            conn.receiver)
+            writer.close()
+
+    def _stream_lost(self, conn: Conn, writer: StreamWriter, reason: str) -> None:
+        if conn.stream is writer:
+            conn.stream = None
+            if conn.state == "registered":
+                self._conn_lost(conn, f"receiver {conn.receiver} at {conn.endpoint}: {reason}")
+
+    def _drop_stream(self, conn: Conn) -> None:
+        writer, conn.stream = conn.stream, None
+        if writer is not None:
+            writer.close()
+
     def _conn_lost(self, conn: Conn, reason: str) -> None:
         """Give a receiver up: fail its rooms here, tell it (if it can still hear), register anew
         under a higher epoch so that it ends those rooms too."""
         log.warning("%s: %s", self.name, reason)
+        self._drop_stream(conn)
         for room in list(self.rooms.values()):
             if room.conn is conn:
                 self._end_now(room, "peer_lost", reason)
@@ -453,8 +490,26 @@ class SenderAgent(AgentBase):
         ``rows``: the payload frames are these rows of the pool, sent without pyzmq's reference
         keeping."""
         assert room.conn is not None
-        link, zc = room.conn.link, room.conn.rows
+        conn = room.conn
+        link, zc = conn.link, conn.rows
         while True:
+            writer = conn.stream
+            if writer is not None:  # the data stream: one record, payload straight out of the pool
+                payload = rows if rows is not None else frames[1:]
+                header = frames[0]
+                record = [PREFIX.pack(len(header), sum(memoryview(p).nbytes for p in payload)), header, *payload]
+                if writer.try_write(record):
+                    self._on_stream = True
+                    break
+                try:
+                    await writer.writable()
+                except TransferdError:
+                    if conn.stream is None and not writer.connected:
+                        continue  # it never connected: the ZeroMQ socket takes the data instead
+                    raise
+                if room.stopped:
+                    return False
+                continue
             if rows is not None:
                 assert zc is not None
                 sent = zc.try_send(frames[0], [(r.ctypes.data, r.nbytes) for r in rows])
@@ -462,6 +517,7 @@ class SenderAgent(AgentBase):
             else:
                 sent = link.try_send(frames, copy=False)
             if sent:
+                self._on_stream = False
                 break
             await link.writable()
             if room.stopped:
@@ -575,9 +631,12 @@ class SenderAgent(AgentBase):
             sent = await self._emit(room, [header, *(p.data for _, p, _ in pieces)])
         if not sent:
             return
+        sent_on_stream = self._on_stream
         for d, payload, _ in pieces:
             self.acct.add(KINDS[d.kind], payload.nbytes)
             room.sent += payload.nbytes
+            if sent_on_stream:
+                self.acct.stream_bytes += payload.nbytes
 
     async def _send_refs(self, room: SendRoom, kind: int, buffer: int, pos: int, src_rows: np.ndarray) -> None:
         """Same host: name the rows, the receiver copies them out of this pool after its checks."""

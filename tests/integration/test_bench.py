@@ -69,6 +69,9 @@ def test_limits_and_bulk_have_a_figure_per_size(run: tuple[dict[str, Any], str])
         assert _pos(b["gbps"]) and _pos(b["vs_raw_zmq"]) and _pos(b["vs_memcpy"]) and _pos(b["vs_raw_tcp"]), (key, b)
         assert b["room_bytes"] > 0 and b["rooms_per_measurement"] > 0
         assert b["shm_share"] == 0.0  # the TCP column really went over TCP
+        assert b["stream_share"] == 1.0  # ... on the data stream, the default between hosts
+    zs = out["bulk"]["1MiB"]["zmq_socket"]  # the same rooms with the stream off
+    assert _pos(zs["gbps"]) and _pos(zs["stream_vs_zmq_socket"]) and zs["stream_share"] == 0.0, zs
     assert _pos(out["ratios"]["tcp_vs_raw_zmq"])
     assert out["ratios"]["tcp_vs_raw_zmq"] == out["bulk"]["1MiB"]["vs_raw_zmq"]
 

@@ -54,7 +54,8 @@ def test_killed_sender_fails_exactly_its_groups_rooms_within_the_deadline(cluste
     st = dc.wait(ra.room, "pa", 15)
     elapsed = time.monotonic() - t0
     assert st.state is RoomState.FAILED and st.code == "peer_lost", st
-    assert "prefill pa rank 1" in st.reason and "missed heartbeats" in st.reason
+    # its data stream closes with the process (or, with no stream, its heartbeats stop)
+    assert "prefill pa rank 1" in st.reason and ("data stream" in st.reason or "missed heartbeats" in st.reason)
     assert elapsed < 1.0 + DEADLINE_SLACK_S
     assert pa[0].wait(ra.room, 10).state is RoomState.FAILED  # rank 0 learns it from the receiver
     # the other group is untouched and finishes its room

@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
+import struct
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -52,9 +54,30 @@ def pack(obj: Any) -> bytes:
 
 
 def register_header(group: str, rank: int, cp_size: int, layout: PoolLayout = FAKE_LAYOUT, *,
-                    split: str = "pages", checksum: str = "none", inc: int = 0x5EED) -> dict[str, Any]:
+                    split: str = "pages", checksum: str = "none", inc: int = 0x5EED,
+                    stream: bool = False) -> dict[str, Any]:
     return Register(group, rank, cp_size, split, layout.fingerprint(), layout.to_wire(), inc, os.getpid(),
-                    "hostile-test", 0, checksum).header()
+                    "hostile-test", 0, checksum, stream=stream).header()
+
+
+def stream_connect(port: int, hello: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(hello)
+    return s
+
+
+def record(header: bytes, *payloads: bytes, payload_len: int | None = None) -> bytes:
+    """One data-stream record (stream.py): u32 header length, u64 payload length, header, payload."""
+    body = b"".join(payloads)
+    return struct.pack("<IQ", len(header), len(body) if payload_len is None else payload_len) + header + body
+
+
+def closed_by_peer(s: socket.socket, timeout: float = 10.0) -> bool:
+    s.settimeout(timeout)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
 
 
 class Fake:
@@ -70,8 +93,20 @@ class Fake:
         self.sock.setsockopt(zmq.SNDTIMEO, 10_000)
         self.sock.connect(endpoint)
         self.inbox: list[dict[str, Any]] = []
+        self.stream: socket.socket | None = None
+
+    def use_stream(self, reply: dict[str, Any]) -> None:
+        """From now on data, data-batch and done go on the data stream the receiver offered."""
+        assert reply["stream_port"] and len(reply["stream_key"]) == 16, reply
+        self.stream = stream_connect(reply["stream_port"], b"TDSTREAM" + reply["stream_key"])
 
     def send(self, *frames: bytes) -> None:
+        if self.stream is not None:
+            head = msgpack.unpackb(frames[0], raw=False)
+            if (isinstance(head, list) and head and head[0] in (1, 4)) or (
+                    isinstance(head, dict) and head.get("t") == "done"):
+                self.stream.sendall(record(frames[0], *frames[1:]))
+                return
         self.sock.send_multipart(list(frames))
 
     def ctrl(self, header: dict[str, Any]) -> None:
@@ -114,6 +149,8 @@ class Fake:
         return self.next("registered")
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         self.sock.close(linger=0)
 
 
@@ -446,7 +483,7 @@ def open_room(env: Env, fake: Fake, group: str, *, n: int = 6, prefix: int = 0, 
     L = env.dpool.layout
     rid = next(env.ids)
     g = np.random.default_rng(rid)
-    base = int(g.integers(0, REAL_DST - 10))
+    base = int(g.integers(0, REAL_DST - max(10, n)))
     dst = [base + i for i in range(n)]
     if n > 3:
         dst[1], dst[2] = dst[2], dst[1]  # a broken run
@@ -465,11 +502,16 @@ def open_room(env: Env, fake: Fake, group: str, *, n: int = 6, prefix: int = 0, 
     return FakeRoom(env, fake, group, rid, a["tok"], n, prefix, dst, slots, aux, src, want)
 
 
-def fake_sender(env: Env, **reg: Any) -> tuple[Fake, str]:
+def fake_sender(env: Env, *, channel: str = "zmq", **reg: Any) -> tuple[Fake, str]:
+    """A registered fake of a new group; ``channel="stream"``: its data goes on a data stream."""
     group = f"fake-{next(env.ids)}"
     f = env.fake("sender")
-    reply = f.register(group, 0, 1, **reg)
+    reply = f.register(group, 0, 1, stream=channel == "stream", **reg)
     assert reply["ok"] is True, reply
+    if channel == "stream":
+        f.use_stream(reply)
+    else:
+        assert reply["stream_port"] == 0 and reply["stream_key"] == b"", reply  # offered only when asked
     return f, group
 
 
@@ -648,13 +690,15 @@ ROOM_CASES: list[tuple[str, Callable[[FakeRoom], None], str, str | None, dict[st
 ]
 
 
+@pytest.mark.parametrize("channel", ["zmq", "stream"])
 @pytest.mark.parametrize(("case", "code", "refusal", "reg", "room_kw"), [c[1:] for c in ROOM_CASES],
                          ids=[c[0] for c in ROOM_CASES])
 def test_fake_sender_bad_data_fails_the_room_and_writes_nothing(
         guard: Env, case: Callable[[FakeRoom], None], code: str, refusal: str | None, reg: dict[str, Any],
-        room_kw: dict[str, Any]) -> None:
+        room_kw: dict[str, Any], channel: str) -> None:
+    """Every case twice: data on the ZeroMQ socket, and as records on a data stream."""
     env = guard
-    fake, group = fake_sender(env, **reg)
+    fake, group = fake_sender(env, channel=channel, **reg)
     r = open_room(env, fake, group, **room_kw)
     before, fails_before = env.refused(), dict(env.dc.stats()["failures"])
     logs = env.log_lines(refusal) if refusal else 0
@@ -1216,3 +1260,130 @@ def test_an_identity_moving_to_another_rank_of_its_group_keeps_the_group(guard: 
     g = env.fake("other")  # the group completes with a second sender as rank 0
     assert g.register(group, 0, 2)["ok"] is True
     assert sorted(env.dc.status()["groups"][group]["ranks"]) == ["0", "1"]
+
+
+# -- the data stream (stream.py) ---------------------------------------------------------------
+
+def test_a_stream_room_completes_byte_exact_rows_read_straight_and_batched(guard: Env) -> None:
+    """Records on a data stream: KV payloads of 64 KiB (read straight into the rows, scattered
+    destination included), state and aux in a data batch (through the stream's buffer), done."""
+    env = guard
+    fake, group = fake_sender(env, channel="stream")
+    r = open_room(env, fake, group, n=128)
+    L = r.layout
+    before = env.dc.stats()["stream_bytes"]
+    for b in L.indices("kv"):
+        r.kv(b, 0, r.n)
+    entries = [(STATE, b, 0, 1) for b in L.indices("state")] + [(AUX, L.aux_index, 0, 1)]
+    _batch(r, entries)
+    for kind, b, _, _ in entries:
+        dst = r.slots[L.buffers[b].component][0] if kind == STATE else r.aux
+        r.want[b][dst] = r.src[b][0]
+    r.done()
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    moved = sum(a.nbytes for a in r.src.values())
+    assert env.dc.stats()["stream_bytes"] - before == moved
+    env.dc.release(r.room, group)
+
+
+@pytest.mark.parametrize("hello, code", [(b"TDSTREAM" + bytes(16), "stream_key"),
+                                         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "stream_hello")])
+def test_a_stream_without_a_valid_hello_is_refused_and_closed(guard: Env, hello: bytes, code: str) -> None:
+    env = guard
+    fake, group = fake_sender(env, channel="stream")  # a stream port is open
+    port = fake.stream.getpeername()[1]  # type: ignore[union-attr]
+    before, logs = env.refused(), env.log_lines(code)
+    s = stream_connect(port, hello)
+    try:
+        assert closed_by_peer(s)
+    finally:
+        s.close()
+    assert_refused_once(env, before, logs, code)
+
+
+def test_a_stream_key_serves_one_connection(guard: Env) -> None:
+    env = guard
+    group = f"fake-{next(env.ids)}"
+    f = env.fake("sender")
+    reply = f.register(group, 0, 1, stream=True)
+    f.use_stream(reply)
+    before, logs = env.refused(), env.log_lines("stream_key")
+    again = stream_connect(reply["stream_port"], b"TDSTREAM" + reply["stream_key"])
+    try:
+        assert closed_by_peer(again)
+    finally:
+        again.close()
+    assert_refused_once(env, before, logs, "stream_key")
+    r = open_room(env, f, group)  # the first stream still carries the fake's data
+    r.send_all()
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+@pytest.mark.parametrize("case", ["header-too-long", "payload-over-max-frame", "closed-mid-record"])
+def test_a_broken_stream_loses_the_peer_and_fails_its_room(guard: Env, case: str) -> None:
+    env = guard
+    fake, group = fake_sender(env, channel="stream")
+    r = open_room(env, fake, group)
+    kv0 = _kv0(r)
+    head = pack([1, r.tok, KV, kv0, 0, 2])
+    s = fake.stream
+    assert s is not None
+    if case == "header-too-long":
+        s.sendall(struct.pack("<IQ", (1 << 20) + 1, 0))
+    elif case == "payload-over-max-frame":
+        s.sendall(struct.pack("<IQ", len(head), (64 << 20) + 1) + head)
+    else:
+        s.sendall(record(head, r.rows(kv0, 0, 2))[:-100])  # then the connection ends
+        s.close()
+        fake.stream = None
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "peer_lost", st
+    assert "data stream" in st.reason, st.reason
+    if case != "closed-mid-record":
+        assert closed_by_peer(s)
+    r.check_pool() if case != "closed-mid-record" else None
+    env.dc.release(r.room, group)
+
+
+def test_rows_of_a_room_aborted_while_its_payload_arrives_are_not_written(guard: Env) -> None:
+    """The abort barrier on a stream: a payload read straight into the rows stops at the abort;
+    its later bytes are read and dropped."""
+    env = guard
+    fake, group = fake_sender(env, channel="stream")
+    r = open_room(env, fake, group, n=128)
+    kv0 = _kv0(r)
+    s = fake.stream
+    assert s is not None
+    rows = r.rows(kv0, 0, r.n)
+    half = len(rows) // 2  # 64 of 128 rows
+    s.sendall(record(pack([1, r.tok, KV, kv0, 0, r.n]), rows[:half], payload_len=len(rows)))
+    r.want[kv0][r.dst[:64]] = r.src[kv0][:64]
+    pool = env.dpool.rows[kv0]
+    env.until(lambda: bool((pool[r.dst[:64]] == r.src[kv0][:64]).all()), "the first half to land in the rows")
+    env.dc.abort(r.room, group, "engine gave up")
+    assert env.dc.poll(r.room, group).state is RoomState.FAILED
+    s.sendall(rows[half:])
+    dropped = env.dc.stats()["dropped"].get("room_not_live", 0)
+    r.kv(kv0, 0, 2, accepted=False)  # a later record of the room: dropped, and the stream is still in step
+    env.until(lambda: env.dc.stats()["dropped"].get("room_not_live", 0) == dropped + 1, "the late record dropped")
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_messages_other_than_data_and_done_on_a_stream_are_refused(guard: Env) -> None:
+    env = guard
+    fake, group = fake_sender(env, channel="stream")
+    r = open_room(env, fake, group)
+    s = fake.stream
+    assert s is not None
+    for i, head in enumerate([Fail(r.tok, "x", "y").header(), Ping(1).header(), [2, r.tok, KV, _kv0(r), 0, 1, 0]]):
+        before, logs = env.refused(), env.log_lines("unexpected_type")
+        s.sendall(record(pack(head)))
+        assert_refused_once(env, before, logs, "unexpected_type")
+    r.send_all()  # the stream stays in step and the room completes
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    env.dc.release(r.room, group)

@@ -37,8 +37,9 @@ SAMPLES: list[Message] = [
     Register(group="prefill0", rank=3, cp_size=8, split="pages", fingerprint="0123456789abcdef",
              layout=LAYOUT_WIRE, incarnation=U64_MAX, pid=4242, host="node-7"),
     Register(group="g", rank=0, cp_size=1, split="layers", fingerprint="", layout={}, incarnation=0,
-             epoch=3, checksum="crc32"),
+             epoch=3, checksum="crc32", stream=True),
     Registered(ok=True, reason="", receiver="decode0", incarnation=17),
+    Registered(ok=True, reason="", receiver="decode0", incarnation=17, stream_port=65535, stream_key=bytes(range(16))),
     Registered(ok=False, reason="layout differs", receiver="decode0", incarnation=1, retry=True),
     Assign(tok=U64_MAX, room=12345678901234, n_pages=4, prefix=1, dst_pages=(9, 10, 11, 40),
            state={"conv": (1, 2), "ssm": ()}, aux_slot=3),
@@ -70,6 +71,14 @@ def test_every_control_type_is_sampled() -> None:
     sampled = {type(m) for m in SAMPLES}
     assert set(CONTROL_TYPES.values()) <= sampled
     assert Data in sampled
+
+
+@pytest.mark.parametrize("port,key", [(0, b"k" * 16), (4000, b""), (4000, b"k" * 15), (65536, b"k" * 16)])
+def test_registered_stream_offer_must_be_a_port_with_a_16_byte_key(port: int, key: bytes) -> None:
+    obj = msgpack.unpackb(encode(Registered(True, "", "decode0", 1)), raw=False)
+    obj["stream_port"], obj["stream_key"] = port, key
+    with pytest.raises(DecodeError, match="stream_port|stream_key"):
+        decode_header(msgpack.packb(obj, use_bin_type=True))
 
 
 def test_data_header_is_a_short_array() -> None:

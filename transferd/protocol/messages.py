@@ -22,7 +22,10 @@ from ..errors import DecodeError, VersionMismatch
 #       message); data batches: several small data entries, one payload frame each, in one
 #       message; register.dedup (the group's de-dup setting). A version-1 receiver would refuse
 #       the new messages, so the versions do not mix.
-PROTOCOL_VERSION = 2
+#   3 — the data stream: register.stream (the sender would use one), registered.stream_port and
+#       registered.stream_key (the receiver offers one); data, data-batch and done messages may
+#       then travel as records on a plain TCP connection (docs/PROTOCOL.md, "data stream").
+PROTOCOL_VERSION = 3
 
 MAX_CP_SIZE = 1024
 DATA_TAG = 1
@@ -100,13 +103,16 @@ class Register:
     """The largest data message this sender sends (checked against the receiver's frame limit)."""
     dedup: bool = True
     """The group's de-dup setting: off, every pages-split rank sends the replicated state too."""
+    stream: bool = False
+    """This sender would send its data on a data stream, if the receiver offers one."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "group": self.group, "rank": self.rank,
                 "cp_size": self.cp_size, "split": self.split, "fp": self.fingerprint,
                 "layout": self.layout, "inc": self.incarnation, "pid": self.pid, "host": self.host,
                 "epoch": self.epoch, "checksum": self.checksum, "boot_id": self.boot_id, "pool": self.pool,
-                "pool_id": self.pool_id, "max_msg": self.max_message_bytes, "dedup": self.dedup}
+                "pool_id": self.pool_id, "max_msg": self.max_message_bytes, "dedup": self.dedup,
+                "stream": self.stream}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Register:
@@ -118,7 +124,8 @@ class Register:
                    host=_req(d, "host", str, w), epoch=_int(d, "epoch", w),
                    checksum=_req(d, "checksum", str, w), boot_id=_req(d, "boot_id", str, w),
                    pool=_req(d, "pool", str, w), pool_id=_int(d, "pool_id", w),
-                   max_message_bytes=_int(d, "max_msg", w), dedup=_req(d, "dedup", bool, w))
+                   max_message_bytes=_int(d, "max_msg", w), dedup=_req(d, "dedup", bool, w),
+                   stream=_req(d, "stream", bool, w))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,17 +141,27 @@ class Registered:
     """On a refusal: register again (the receiver does not know this peer, e.g. it restarted)."""
     shm: bool = False
     """Accepted with the same-host path: the receiver reads the sender's pool; send data-ref."""
+    stream_port: int = 0
+    """Accepted with a data stream: connect to this TCP port of the receiver's host (0 = none)."""
+    stream_key: bytes = b""
+    """The 16 bytes the sender's hello on that stream must carry (empty when no stream)."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "ok": self.ok, "reason": self.reason,
-                "receiver": self.receiver, "inc": self.incarnation, "retry": self.retry, "shm": self.shm}
+                "receiver": self.receiver, "inc": self.incarnation, "retry": self.retry, "shm": self.shm,
+                "stream_port": self.stream_port, "stream_key": self.stream_key}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Registered:
         w = "registered"
-        return cls(ok=_req(d, "ok", bool, w), reason=_req(d, "reason", str, w),
-                   receiver=_req(d, "receiver", str, w), incarnation=_int(d, "inc", w),
-                   retry=_req(d, "retry", bool, w), shm=_req(d, "shm", bool, w))
+        out = cls(ok=_req(d, "ok", bool, w), reason=_req(d, "reason", str, w),
+                  receiver=_req(d, "receiver", str, w), incarnation=_int(d, "inc", w),
+                  retry=_req(d, "retry", bool, w), shm=_req(d, "shm", bool, w),
+                  stream_port=_int(d, "stream_port", w, 0, 65535), stream_key=_req(d, "stream_key", bytes, w))
+        if (out.stream_port == 0) != (len(out.stream_key) == 0) or len(out.stream_key) not in (0, 16):
+            raise DecodeError(f"registered: stream_port {out.stream_port} with a {len(out.stream_key)}-byte "
+                              "stream_key (a port goes with a 16-byte key, no port with none)")
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,409 @@
+"""The data stream: a plain TCP connection per sender and receiver that carries data messages
+past ZeroMQ, so that the receiver can read payload bytes straight into the destination rows.
+
+ZeroMQ stays the control channel (registration, assign, status, heartbeats). A receiver offers a
+stream in its ``registered`` answer (a port and a 16-byte key); the sender connects, sends the
+hello (``b"TDSTREAM"`` and the key), and from then on writes its data, data-batch and done
+messages to the stream as records::
+
+    u32 header length | u64 payload length | msgpack header | payload bytes
+
+The header is exactly the one the message has on ZeroMQ; the payload is the message's payload
+frames back to back. ``docs/PROTOCOL.md`` ("data stream") is the reference. Nothing here knows
+rooms: the receiver says, for each header, where its payload goes (:class:`Target`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from .errors import TransferdError
+
+log = logging.getLogger(__name__)
+
+HELLO_MAGIC = b"TDSTREAM"
+KEY_BYTES = 16
+HELLO_BYTES = len(HELLO_MAGIC) + KEY_BYTES
+PREFIX = struct.Struct("<IQ")
+MAX_STREAM_HEADER = 1 << 20  # a data-batch of 1024 entries with checksums is ~30 KiB
+HELLO_TIMEOUT_S = 10.0
+IOV_CHUNK = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
+SOCK_BUFFER = 4 << 20
+SCRATCH_BYTES = 256 << 10  # discarded bytes go through this; small payloads land here first
+
+
+def stream_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://host:port`` ZeroMQ endpoint (brackets of IPv6 removed); None for
+    other transports (no stream over ipc://)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host = endpoint[6:].rpartition(":")[0].rpartition(";")[2]  # ZeroMQ's "tcp://source;host:port"
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return "0.0.0.0" if host == "*" else host
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUFFER)
+        except OSError:
+            pass  # capped by the kernel: its default is fine
+
+
+# -- the sending end ---------------------------------------------------------------------------
+
+class StreamWriter:
+    """A sender's end: ``try_write`` hands a record to the kernel at once (no copy in Python: the
+    payload buffers are views of the pool) and keeps what the socket did not take; while
+    anything is kept, further records wait (``writable``): the socket's buffer is the
+    backpressure. A broken stream, or any byte from the receiver (it never writes; EOF means it
+    closed the stream), calls ``on_lost`` once."""
+
+    def __init__(self, name: str, on_lost: Callable[[str], None]) -> None:
+        self.name = name
+        self.on_lost = on_lost
+        self.loop = asyncio.get_running_loop()
+        self.sock: socket.socket | None = None
+        self.pending: list[Any] = []
+        self._waiters: list[asyncio.Future[None]] = []
+        self.closed = False
+        self.connected = False
+        self.error = ""
+
+    async def connect(self, host: str, port: int, key: bytes, timeout_s: float) -> None:
+        """Connect and send the hello; raises :class:`TransferdError` naming the address."""
+        try:
+            infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            _tune(sock)
+            try:
+                await asyncio.wait_for(self.loop.sock_connect(sock, addr), timeout_s)
+            except BaseException:
+                sock.close()
+                raise
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise TransferdError(f"data stream to {host}:{port}: {exc or 'connect timed out'}") from None
+        if self.closed:
+            sock.close()
+            raise TransferdError(f"{self.name}: data stream closed while connecting")
+        self.sock = sock
+        self.connected = True
+        self.loop.add_reader(sock.fileno(), self._on_readable)
+        if not self.try_write([HELLO_MAGIC + key]):
+            raise TransferdError(f"data stream to {host}:{port}: {self.error}")
+
+    def try_write(self, bufs: list[Any]) -> bool:
+        """Hand one record to the kernel; False (nothing taken) while earlier bytes still wait,
+        before the connection is up, or once the stream is lost."""
+        if self.pending or not self.connected or self.closed:
+            return False
+        self.pending = bufs
+        self._flush()
+        return not self.closed
+
+    def _flush(self) -> None:
+        sock = self.sock
+        assert sock is not None
+        pending = self.pending
+        while pending:
+            part = pending[:IOV_CHUNK]
+            try:
+                n = sock.sendmsg(part)
+            except BlockingIOError:
+                n = 0
+            except OSError as exc:
+                self._lost(f"data stream broken: {exc}")
+                return
+            for i, b in enumerate(part):  # drop what went out, keep the rest of a partly sent buffer
+                size = memoryview(b).nbytes
+                if n < size:
+                    if n:
+                        part[i] = memoryview(b).cast("B")[n:]
+                    pending = part[i:] + pending[len(part):]
+                    self.pending = pending
+                    self.loop.add_writer(sock.fileno(), self._on_writable)
+                    return
+                n -= size
+            pending = pending[len(part):]
+        self.pending = []
+        self.loop.remove_writer(sock.fileno())
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def _on_writable(self) -> None:
+        if not self.closed:
+            self._flush()
+
+    def _on_readable(self) -> None:
+        assert self.sock is not None
+        try:
+            data = self.sock.recv(64)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._lost(f"data stream broken: {exc}")
+            return
+        self._lost("the receiver closed the data stream" if not data else
+                   "the receiver wrote on the data stream (it never should)")
+
+    async def writable(self) -> None:
+        """Wait until a record may be written (raises once the stream is lost or closed)."""
+        if self.closed:
+            raise TransferdError(f"{self.name}: {self.error or 'data stream closed'}")
+        if not self.pending and self.connected:
+            return
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._waiters.append(fut)
+        await fut
+
+    def _lost(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.error = reason
+        self.close()
+        self.on_lost(reason)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.pending = []
+        if self.sock is not None:
+            self.loop.remove_reader(self.sock.fileno())
+            self.loop.remove_writer(self.sock.fileno())
+            self.sock.close()
+        for w in self._waiters:
+            if not w.done():
+                w.set_exception(TransferdError(f"{self.name}: {self.error or 'data stream closed'}"))
+        self._waiters.clear()
+
+
+# -- the receiving end -------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Target:
+    """Where a record's payload goes: ``views`` filled in order (together exactly the payload's
+    length); ``alive`` is asked before each read into them (False: the rest is read and
+    dropped); ``done`` runs once they are full (not when dropped)."""
+
+    views: list[memoryview]
+    done: Callable[[], None] | None = None
+    alive: Callable[[], bool] | None = None
+
+
+class StreamHandler(Protocol):
+    def stream_hello(self, reader: StreamReader, hello: bytes) -> bool: ...
+    def stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target: ...
+    def stream_closed(self, reader: StreamReader, reason: str) -> None: ...
+
+
+class StreamReader:
+    """A receiver's end of one stream: the hello, then records, read straight into the views the
+    handler names. Framing errors (a header or payload larger than the limits) end the stream;
+    everything the framing survives is the handler's to refuse."""
+
+    def __init__(self, sock: socket.socket, addr: str, handler: StreamHandler, max_payload: int,
+                 scratch: memoryview, budget: int = 64) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.handler = handler
+        self.max_payload = max_payload
+        self.scratch = scratch
+        self.budget = budget
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        self.peer: Any = None  # set by the handler at the hello
+        self._buffer = bytearray(0)
+        self._small = bytearray(max(HELLO_BYTES, PREFIX.size))
+        self._state = "hello"
+        self._views: list[memoryview] = [memoryview(self._small)[:HELLO_BYTES]]
+        self._got = 0
+        self._target: Target | None = None
+        self._paused: asyncio.TimerHandle | None = None
+        self._hello_timer: asyncio.TimerHandle | None = self.loop.call_later(HELLO_TIMEOUT_S, self._hello_late)
+        self.loop.add_reader(sock.fileno(), self._on_readable)
+
+    def buffer(self, n: int) -> memoryview:
+        """This stream's own buffer of at least ``n`` bytes, for a payload the handler wants
+        whole before it acts (records of other streams arrive meanwhile)."""
+        if len(self._buffer) < n:
+            self._buffer = bytearray(n)
+        return memoryview(self._buffer)
+
+    def _hello_late(self) -> None:
+        self._hello_timer = None
+        if self._state == "hello":
+            self.close(f"no hello within {HELLO_TIMEOUT_S:g}s")
+
+    def pause(self, seconds: float) -> None:
+        """Read nothing for ``seconds`` (fault injection: a slow decode side)."""
+        if self._paused is None and not self.closed:
+            self.loop.remove_reader(self.sock.fileno())
+            self._paused = self.loop.call_later(seconds, self._resume)
+
+    def _resume(self) -> None:
+        self._paused = None
+        if not self.closed:
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        recv_into = self.sock.recv_into
+        for _ in range(self.budget):
+            if self.closed or self._paused is not None:
+                return
+            t = self._target
+            if t is not None and t.alive is not None and not t.alive():
+                self._drop_rest()
+            view = self._views[0]
+            try:
+                n = recv_into(view[self._got:])
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.close(f"data stream from {self.addr} broken: {exc}")
+                return
+            if not n:
+                at_boundary = self._state == "prefix" and self._got == 0
+                self.close(f"data stream from {self.addr} closed" + ("" if at_boundary else " in mid-message"))
+                return
+            self._got += n
+            if self._got == len(view):
+                self._got = 0
+                del self._views[0]
+                if not self._views:
+                    self._step()
+
+    def _drop_rest(self) -> None:
+        """The payload's owner is gone: read the rest of it into the scratch and drop it."""
+        left = len(self._views[0]) - self._got + sum(len(v) for v in self._views[1:])
+        self._got = 0
+        self._views = self._skip_views(left)
+        assert self._target is not None
+        self._target.done = self._target.alive = None
+
+    def _skip_views(self, n: int) -> list[memoryview]:
+        step = len(self.scratch)
+        return [self.scratch[:min(step, n - i)] for i in range(0, n, step)]
+
+    def _step(self) -> None:
+        """The views are full: act on what they held and name the next ones."""
+        state = self._state
+        if state == "hello":
+            if self._hello_timer is not None:
+                self._hello_timer.cancel()
+                self._hello_timer = None
+            if not self.handler.stream_hello(self, bytes(self._small[:HELLO_BYTES])):
+                self.close()
+                return
+            self._expect_prefix()
+        elif state == "prefix":
+            hlen, plen = PREFIX.unpack_from(self._small)
+            if not 1 <= hlen <= MAX_STREAM_HEADER or plen > self.max_payload:
+                self.close(f"data stream from {self.addr}: record with a {hlen}-byte header and a {plen}-byte "
+                           f"payload (limits {MAX_STREAM_HEADER} and {self.max_payload})")
+                return
+            self._state, self._plen = "header", plen
+            self._header = bytearray(hlen)
+            self._views = [memoryview(self._header)]
+        elif state == "header":
+            target = self.handler.stream_record(self, bytes(self._header), self._plen)
+            if self.closed:
+                return
+            if self._plen == 0:
+                if target.done is not None:
+                    target.done()
+                self._expect_prefix()
+                return
+            self._state, self._target = "payload", target
+            self._views = list(target.views) if target.views else self._skip_views(self._plen)
+            if not target.views:
+                target.done = target.alive = None
+        else:  # payload
+            target, self._target = self._target, None
+            self._expect_prefix()
+            if target is not None and target.done is not None:
+                target.done()
+
+    def _expect_prefix(self) -> None:
+        self._state = "prefix"
+        self._views = [memoryview(self._small)[:PREFIX.size]]
+
+    def close(self, reason: str = "") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for timer in (self._hello_timer, self._paused):
+            if timer is not None:
+                timer.cancel()
+        if self._paused is None:
+            self.loop.remove_reader(self.sock.fileno())
+        self._paused = None
+        self.sock.close()
+        self._views = []
+        self._target = None
+        self.handler.stream_closed(self, reason)
+
+
+class StreamServer:
+    """The receiver's listening socket for data streams."""
+
+    def __init__(self, host: str, port: int, handler: StreamHandler, max_payload: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.handler = handler
+        self.max_payload = max_payload
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((host, port))
+            self.sock.listen(128)
+        except OSError as exc:
+            self.sock.close()
+            raise TransferdError(f"data stream: cannot listen on {host}:{port}: {exc}") from None
+        self.sock.setblocking(False)
+        self.port: int = self.sock.getsockname()[1]
+        self.readers: set[StreamReader] = set()
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))  # one loop: one reader reads at a time
+        self.loop.add_reader(self.sock.fileno(), self._on_accept)
+
+    def _on_accept(self) -> None:
+        for _ in range(16):
+            try:
+                conn, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors and the like: keep listening
+                log.warning("data stream: accept failed: %s", exc)
+                return
+            _tune(conn)
+            where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            self.readers.add(StreamReader(conn, where, self, self.max_payload, self._scratch))
+
+    # the server sits between the readers and the handler, to forget closed readers
+    def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
+        return self.handler.stream_hello(reader, hello)
+
+    def stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
+        return self.handler.stream_record(reader, header, payload_len)
+
+    def stream_closed(self, reader: StreamReader, reason: str) -> None:
+        self.readers.discard(reader)
+        self.handler.stream_closed(reader, reason)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        for r in list(self.readers):
+            r.close()
