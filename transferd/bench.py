@@ -618,7 +618,7 @@ class _Bench:
         assert self.lim_pool is not None and self.tcp is not None and self.ctrl is not None
         assert self.raw is not None
         size = SIZES[key]
-        dst = memoryview(self.lim_pool.rows[1].reshape(-1))
+        dst = self.lim_pool.rows[1].reshape(-1).data
         ring = len(dst) // size
         n = (self.plan.bulk_room_bytes * self.plan.bulk_rooms) // size
         recv_into, conn = self.tcp.recv_into, self.tcp
@@ -1236,7 +1236,7 @@ def raw_zmq_sender_main(argv: list[str]) -> int:
     host, _, port = tcp_addr.rpartition(":")
     tcp = socket.create_connection((host, int(port)))
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    view = memoryview(src)
+    view = src.data
     ctrl.send(b"ready")
     try:
         while True:

@@ -95,6 +95,7 @@ class DecodeRoom:
     finished: float = 0.0
     last_progress: float = 0.0
     received: int = 0
+    streaming: dict[int, int] = field(default_factory=dict)  # rank -> payloads being read into the rows now
 
     @property
     def key(self) -> tuple[str, int]:
@@ -387,7 +388,10 @@ class Receiver(AgentBase):
             known = None
             if self.groups.get(msg.group) is not group:  # that was the group's last rank: it went with it
                 group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split, msg.dedup)
+        carried: StreamReader | None = None
         if known is not None:
+            if msg.epoch <= known.epoch:  # a repeated register: the same connection goes on, its stream too
+                carried, known.stream = known.stream, None
             known.close()
             if msg.epoch > known.epoch:
                 reason = (f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and "
@@ -406,13 +410,18 @@ class Receiver(AgentBase):
         peer = self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
                                         msg.epoch, checksum, src_pool)
         port = 0
-        if msg.stream and self.streams is not None and src_pool is None:
+        if carried is not None or (known is not None and msg.epoch <= known.epoch and known.stream_key):
+            # nothing new to offer: the sender keeps the stream it has (or is connecting)
+            peer.stream, peer.stream_key = carried, known.stream_key if known is not None else b""
+            if carried is not None:
+                carried.peer = peer
+        elif msg.stream and self.streams is not None and src_pool is None:
             if len(self._stream_keys) > 4096:  # keys of peers that never connected
                 self._stream_keys = {k: i for k, i in self._stream_keys.items() if i in self.peers}
             peer.stream_key, port = os.urandom(KEY_BYTES), self.streams.port
             self._stream_keys[peer.stream_key] = ident
         self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation, shm=src_pool is not None,
-                                     stream_port=port, stream_key=peer.stream_key))
+                                     stream_port=port, stream_key=peer.stream_key if port else b""))
         log.info("%s: registered %s rank %d/%d (%s, incarnation %x, pid %d on %s, %s)", self.name, msg.group,
                  msg.rank, msg.cp_size, split.value, msg.incarnation, msg.pid, msg.host,
                  f"same-host path via pool {msg.pool}" if src_pool is not None else
@@ -562,7 +571,7 @@ class Receiver(AgentBase):
         return True
 
     def stream_closed(self, reader: StreamReader, reason: str) -> None:
-        peer = reader.peer
+        peer: Peer | None = reader.peer
         if peer is not None and peer.stream is reader and self.peers.get(peer.ident) is peer:
             peer.stream = None  # a broken stream is a lost connection: its rooms cannot complete
             self._peer_lost(peer, f"prefill {peer.group} rank {peer.rank} (pid {peer.pid} on {peer.host}): {reason}",
@@ -573,6 +582,14 @@ class Receiver(AgentBase):
     def stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
         """A record's header has arrived: check it and say where its payload goes (an empty
         target drops the payload)."""
+        try:
+            return self._stream_record(reader, header, payload_len)
+        except Exception:  # a bug must not take the receiver down with every room
+            log.exception("%s: error while handling a data stream record", self.name)
+            self.acct.refused["internal_error"] += 1
+            return Target([])
+
+    def _stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
         peer: Peer | None = reader.peer
         drop = Target([])
         if peer is None or self.peers.get(peer.ident) is not peer:
@@ -629,16 +646,24 @@ class Receiver(AgentBase):
             return Target([])
         dst = self.pool.rows[msg.buffer]
         if rows is None:
-            views = [memoryview(dst[first:first + msg.count].reshape(-1))]
+            views = [dst[first:first + msg.count].reshape(-1).data]
         else:
-            views = [memoryview(dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1)) for a, b in runs(rows, rows)]
-        reader = peer.stream
+            views = [dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1).data for a, b in runs(rows, rows)]
+        reader, rank = peer.stream, peer.rank
+        room.streaming[rank] = room.streaming.get(rank, 0) + 1
 
         def landed() -> None:
+            room.streaming[rank] -= 1
             self._landed(room, msg, nbytes, False)
             self.acct.stream_bytes += nbytes
             self._after_data(reader)
-        return Target(views, landed, lambda: not room.status.state.terminal)
+
+        def alive() -> bool:
+            if room.status.state.terminal:
+                room.streaming[rank] -= 1  # asked no more: the rest is dropped
+                return False
+            return True
+        return Target(views, landed, alive)
 
     def _after_data(self, reader: StreamReader | None) -> None:
         if self._slow_s and reader is not None:
@@ -658,6 +683,11 @@ class Receiver(AgentBase):
             return
         assert room.tracker is not None
         room.last_progress = time.monotonic()
+        if room.streaming.get(peer.rank):  # only a done sent past its stream can overtake its rows
+            self._finish(room, RoomStatus(RoomState.FAILED, "incomplete", f"{peer.group} rank {peer.rank} reported "
+                                                                          "done while rows of the room were still "
+                                                                          "arriving on its data stream"))
+            return
         problem = room.tracker.rank_done(peer.rank)
         if problem:
             self._finish(room, RoomStatus(RoomState.FAILED, "incomplete", f"{peer.group} {problem}"))

@@ -44,6 +44,7 @@ from .transport import LocalApiServer, LoopSocket, configure, load_keypair, load
 log = logging.getLogger(__name__)
 
 TERMINAL_RETENTION = 100_000
+SENT_ZMQ, SENT_STREAM = 1, 2  # how _emit sent a message (0: not at all)
 
 
 @dataclass(slots=True)
@@ -131,7 +132,6 @@ class SenderAgent(AgentBase):
         self.metrics_port_offset = s.cp_rank
         self.drain_timeout_s = s.drain_timeout_s
         self._burst = 0  # messages sent since the data path last gave the loop a turn
-        self._on_stream = False  # the last message _emit sent went on a data stream
         self._plans: dict[tuple[int, int], RankPlan] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -271,17 +271,22 @@ class SenderAgent(AgentBase):
 
     def _on_registered(self, conn: Conn, msg: Registered) -> None:
         if msg.ok:
-            if conn.state == "registered" and conn.receiver_inc != msg.incarnation:
+            again = conn.state == "registered" and conn.receiver_inc == msg.incarnation
+            if conn.state == "registered" and not again:
                 self._conn_lost(conn, f"receiver {conn.receiver} restarted")
             conn.state, conn.receiver, conn.receiver_inc, conn.reason = "registered", msg.receiver, msg.incarnation, ""
             conn.shm = msg.shm
-            self._drop_stream(conn)
+            if again:
+                return  # the answer to a repeated register: the connection, and its stream, go on
             host = stream_host(conn.endpoint)
-            if msg.stream_port and host is not None and not msg.shm:
+            if msg.stream_port and host is not None and not msg.shm and self.scfg.data_stream == "auto":
+                self._drop_stream(conn)
                 writer = conn.stream = StreamWriter(f"{self.name} → {conn.endpoint}", lambda why: None)
                 writer.on_lost = functools.partial(self._stream_lost, conn, writer)
                 self.spawn(self._connect_stream(conn, writer, host, msg.stream_port, msg.stream_key),
                            f"stream {conn.endpoint}")
+            else:
+                self._drop_stream(conn)
             log.info("%s: registered with receiver %s at %s (%s)", self.name, msg.receiver, conn.endpoint,
                      "same-host path: the receiver reads this pool" if msg.shm else
                      f"data stream to port {msg.stream_port}" if conn.stream else "data over the socket")
@@ -484,22 +489,22 @@ class SenderAgent(AgentBase):
         if not conn.link.try_send(frames):
             self.spawn(conn.link.send(frames), f"send {type(msg).__name__}")
 
-    async def _emit(self, room: SendRoom, frames: list[Any], rows: list[np.ndarray] | None = None) -> bool:
-        """Send one message of a room, waiting while the pipe is full; False (nothing sent) when
-        the room stopped meanwhile — nothing of a stopped room leaves after its fail message.
-        ``rows``: the payload frames are these rows of the pool, sent without pyzmq's reference
-        keeping."""
+    async def _emit(self, room: SendRoom, frames: list[Any], rows: list[np.ndarray] | None = None) -> int:
+        """Send one message of a room, waiting while the pipe is full: ``SENT_ZMQ`` or
+        ``SENT_STREAM`` (the data stream took it), or 0 (nothing sent) when the room stopped
+        meanwhile — nothing of a stopped room leaves after its fail message. ``rows``: the payload
+        frames are these rows of the pool, sent without pyzmq's reference keeping."""
         assert room.conn is not None
         conn = room.conn
         link, zc = conn.link, conn.rows
         while True:
             writer = conn.stream
             if writer is not None:  # the data stream: one record, payload straight out of the pool
-                payload = rows if rows is not None else frames[1:]
+                payload: list[Any] = list(rows) if rows is not None else frames[1:]
                 header = frames[0]
                 record = [PREFIX.pack(len(header), sum(memoryview(p).nbytes for p in payload)), header, *payload]
                 if writer.try_write(record):
-                    self._on_stream = True
+                    how = SENT_STREAM
                     break
                 try:
                     await writer.writable()
@@ -508,7 +513,7 @@ class SenderAgent(AgentBase):
                         continue  # it never connected: the ZeroMQ socket takes the data instead
                     raise
                 if room.stopped:
-                    return False
+                    return 0
                 continue
             if rows is not None:
                 assert zc is not None
@@ -517,16 +522,16 @@ class SenderAgent(AgentBase):
             else:
                 sent = link.try_send(frames, copy=False)
             if sent:
-                self._on_stream = False
+                how = SENT_ZMQ
                 break
             await link.writable()
             if room.stopped:
-                return False
+                return 0
         self._burst += 1
         if self._burst >= 64:  # the pipe kept taking messages: give the loop a turn anyway
             self._burst = 0
             await asyncio.sleep(0)
-        return True
+        return how
 
     def _pump(self, room: SendRoom) -> None:
         if room.assign is not None and room.chunks and not room.sending and not room.stopped:
@@ -631,7 +636,7 @@ class SenderAgent(AgentBase):
             sent = await self._emit(room, [header, *(p.data for _, p, _ in pieces)])
         if not sent:
             return
-        sent_on_stream = self._on_stream
+        sent_on_stream = sent == SENT_STREAM
         for d, payload, _ in pieces:
             self.acct.add(KINDS[d.kind], payload.nbytes)
             room.sent += payload.nbytes

@@ -283,7 +283,12 @@ class StreamReader:
                 self._got = 0
                 del self._views[0]
                 if not self._views:
-                    self._step()
+                    try:
+                        self._step()
+                    except Exception:  # a bug: end this stream, not the loop (nothing left to read into)
+                        log.exception("data stream from %s: error while handling a record", self.addr)
+                        self.close(f"data stream from {self.addr}: internal error")
+                        return
 
     def _drop_rest(self) -> None:
         """The payload's owner is gone: read the rest of it into the scratch and drop it."""
@@ -331,10 +336,10 @@ class StreamReader:
             if not target.views:
                 target.done = target.alive = None
         else:  # payload
-            target, self._target = self._target, None
+            finished, self._target = self._target, None
             self._expect_prefix()
-            if target is not None and target.done is not None:
-                target.done()
+            if finished is not None and finished.done is not None:
+                finished.done()
 
     def _expect_prefix(self) -> None:
         self._state = "prefix"

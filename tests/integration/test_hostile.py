@@ -1387,3 +1387,42 @@ def test_messages_other_than_data_and_done_on_a_stream_are_refused(guard: Env) -
     assert r.wait().state is RoomState.SUCCESS
     r.check_pool()
     env.dc.release(r.room, group)
+
+
+def test_a_done_past_the_stream_while_its_rows_arrive_fails_the_room(guard: Env) -> None:
+    """Rows read straight into the pool are claimed before their bytes arrive: a done that
+    overtakes them (sent on ZeroMQ, which the reference sender never does) must not end the room
+    as a success."""
+    env = guard
+    fake, group = fake_sender(env, channel="stream")
+    r = open_room(env, fake, group, n=128)
+    kv0 = _kv0(r)
+    s = fake.stream
+    assert s is not None
+    rows = r.rows(kv0, 0, r.n)
+    s.sendall(record(pack([1, r.tok, KV, kv0, 0, r.n]), rows[:len(rows) // 2], payload_len=len(rows)))
+    r.want[kv0][r.dst[:64]] = r.src[kv0][:64]
+    pool = env.dpool.rows[kv0]
+    env.until(lambda: bool((pool[r.dst[:64]] == r.src[kv0][:64]).all()), "the first half to land in the rows")
+    fake.sock.send_multipart([pack(Done(r.tok, 0, 0, 0, 0).header())])  # past the stream
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "incomplete", st
+    assert "still arriving on its data stream" in st.reason, st.reason
+    s.sendall(rows[len(rows) // 2:])  # the rest is dropped
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_a_repeated_register_keeps_the_stream(guard: Env) -> None:
+    env = guard
+    group = f"fake-{next(env.ids)}"
+    f = env.fake("sender")
+    first = f.register(group, 0, 1, stream=True)
+    f.use_stream(first)
+    again = f.register(group, 0, 1, stream=True)  # same identity, same epoch: a duplicate
+    assert again["ok"] is True and again["stream_port"] == 0 and again["stream_key"] == b"", again
+    r = open_room(env, f, group)
+    r.send_all()  # on the first stream, which still belongs to this registration
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    env.dc.release(r.room, group)

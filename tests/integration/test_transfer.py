@@ -285,3 +285,36 @@ def test_dedup_off_every_rank_ships_the_state_and_the_room_is_byte_exact(cluster
     assert dc.stats()["bytes"]["state"] == 4 * state_copy_bytes(dpool)
     assert all(pc.stats()["state_bytes_skipped"] == 0 for pc in pcs)
     assert [pc.stats()["bytes"].get("state", 0) for pc in pcs] == [state_copy_bytes(dpool)] * 4
+
+
+def test_cp4_without_dedup_on_data_streams_is_byte_exact(cluster: Cluster) -> None:
+    """Four ranks' data streams into one receiver at once: 64 KiB KV and conv-state rows read
+    straight into the pool (every rank writes the same state rows: the de-dup is off), small ssm
+    rows and aux through each stream's own buffer. Every byte came on a stream."""
+    model = {"name": "big-rows", "dtype": "bf16", "page_size": 16, "kv_layers": 2, "kv_format": "mha",
+             "kv_token_elems": 2048, "aux_row_bytes": 64,
+             "state": [{"name": "conv", "layers": 2, "slot_shape": [2, 16384]},
+                       {"name": "ssm", "layers": 1, "slot_shape": [64]}]}
+    ep, dc, dpool = cluster.receiver(kv_pages=64, model=model)
+    pcs, spools = cluster.group("p4", 4, [ep], kv_pages=64, model=model, dedup=False)
+    for i, p in enumerate(spools):
+        fill_random(p, 40 + i)
+    fill_random(dpool, 49)
+    before = [rows.copy() for rows in dpool.rows]
+    r = make_room(11, "p4", 24, 4, dst_start=8, spools=spools)
+    L = dpool.layout
+    assert L.buffers[L.indices("kv")[0]].row_bytes == 64 << 10
+    for b in L.indices("state"):  # replicated state: the same bytes on every rank
+        comp = L.buffers[b].component
+        for k in range(1, 4):
+            spools[k].rows[b][r.state_src[k][comp]] = spools[0].rows[b][r.state_src[0][comp]]
+    expect(dc, r)
+    submit_all(pcs, r)
+    st = dc.wait(r.room, r.group, 30)
+    assert st.state is RoomState.SUCCESS, (st, cluster.logs())
+    assert mismatches(r, dpool, spools, "pages", before) == 0
+    stats = dc.stats()
+    assert stats["stream_bytes"] == sum(stats["bytes"].values()) > 0
+    assert sum(pc.stats()["stream_bytes"] for pc in pcs) == stats["stream_bytes"]
+    assert stats["bytes"]["state"] == 4 * state_copy_bytes(dpool)  # every rank sent its copy
+    dc.release(r.room, r.group)
