@@ -59,6 +59,8 @@ def test_metrics_endpoint_after_real_rooms(cluster: Cluster) -> None:
     m = _scrape(rx["metrics_port"])
     for kind in ("kv", "state", "aux"):
         assert m[("transferd_bytes_total", (("direction", "received"), ("kind", kind)))] == rx["bytes"][kind]
+    # every byte came on the senders' data streams (the default between hosts, here over loopback)
+    assert m[("transferd_stream_bytes_total", (("direction", "received"),))] == sum(rx["bytes"].values()) > 0
     assert m[("transferd_rooms_total", (("outcome", "success"), ("reason", "")))] == 3
     assert m[("transferd_rooms_total", (("outcome", "failed"), ("reason", "aborted")))] == 1
     assert m[("transferd_room_duration_seconds_count", (("outcome", "success"),))] == 3
