@@ -389,9 +389,15 @@ class Receiver(AgentBase):
             if self.groups.get(msg.group) is not group:  # that was the group's last rank: it went with it
                 group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split, msg.dedup)
         carried: StreamReader | None = None
+        repeat = known is not None and msg.epoch <= known.epoch
         if known is not None:
-            if msg.epoch <= known.epoch:  # a repeated register: the same connection goes on, its stream too
+            if repeat:  # a repeated register: the same connection goes on, with its path and stream
                 carried, known.stream = known.stream, None
+                if src_pool is not None:
+                    src_pool.close()
+                src_pool, known.src_pool = known.src_pool, None
+            else:
+                self._stream_keys.pop(known.stream_key, None)
             known.close()
             if msg.epoch > known.epoch:
                 reason = (f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and "
@@ -401,6 +407,7 @@ class Receiver(AgentBase):
         if old_ident is not None and old_ident != ident:
             old = self.peers.pop(old_ident, None)
             if old is not None:
+                self._stream_keys.pop(old.stream_key, None)
                 old.close()
             reason = (f"prefill {msg.group} rank {msg.rank} restarted (incarnation "
                       f"{old.incarnation if old else '?'} -> {msg.incarnation})")
@@ -410,14 +417,16 @@ class Receiver(AgentBase):
         peer = self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
                                         msg.epoch, checksum, src_pool)
         port = 0
-        if carried is not None or (known is not None and msg.epoch <= known.epoch and known.stream_key):
-            # nothing new to offer: the sender keeps the stream it has (or is connecting)
-            peer.stream, peer.stream_key = carried, known.stream_key if known is not None else b""
+        if repeat:
+            # nothing new to offer: the sender keeps the stream it has (or the key it is connecting with)
+            assert known is not None
+            peer.stream, peer.stream_key = carried, known.stream_key
             if carried is not None:
                 carried.peer = peer
         elif msg.stream and self.streams is not None and src_pool is None:
-            if len(self._stream_keys) > 4096:  # keys of peers that never connected
-                self._stream_keys = {k: i for k, i in self._stream_keys.items() if i in self.peers}
+            if len(self._stream_keys) > 4096:  # keys offered and never used, of peers gone since
+                self._stream_keys = {k: i for k, i in self._stream_keys.items()
+                                     if i in self.peers and self.peers[i].stream_key == k}
             peer.stream_key, port = os.urandom(KEY_BYTES), self.streams.port
             self._stream_keys[peer.stream_key] = ident
         self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation, shm=src_pool is not None,
@@ -584,9 +593,11 @@ class Receiver(AgentBase):
         target drops the payload)."""
         try:
             return self._stream_record(reader, header, payload_len)
-        except Exception:  # a bug must not take the receiver down with every room
+        except Exception:  # a bug must not take the receiver down with every room; rows may have
+            # been claimed without their bytes: the stream ends, so that rank's rooms fail
             log.exception("%s: error while handling a data stream record", self.name)
             self.acct.refused["internal_error"] += 1
+            reader.close(f"data stream from {reader.addr}: internal error")
             return Target([])
 
     def _stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
@@ -795,6 +806,7 @@ class Receiver(AgentBase):
         if heartbeat:
             self.acct.heartbeat_misses[f"{peer.group}/r{peer.rank}"] += 1
         self.peers.pop(peer.ident, None)
+        self._stream_keys.pop(peer.stream_key, None)
         peer.close()
         group = self.groups.get(peer.group)
         if group is not None and group.ranks.get(peer.rank) == peer.ident:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 TERMINAL_RETENTION = 100_000
 SENT_ZMQ, SENT_STREAM = 1, 2  # how _emit sent a message (0: not at all)
+STREAM_FAILURES, STREAM_BACKOFF_S = 3, 300.0  # streams lost unused in a row; then ZeroMQ for this long
 
 
 @dataclass(slots=True)
@@ -62,6 +63,8 @@ class Conn:
     epoch: int = 0
     shm: bool = False  # the receiver reads our pool directly (same host)
     stream: StreamWriter | None = None  # data, data-batch and done go on this plain TCP stream (stream.py)
+    stream_failures: int = 0  # streams lost in a row before carrying a record
+    no_stream_until: float = 0.0  # after too many of those: do not ask for one before this time
 
 
 @dataclass(slots=True)
@@ -220,7 +223,8 @@ class SenderAgent(AgentBase):
                                        host_boot_id(), self.pool.name if self.scfg.same_host == "auto" and self.pool
                                        else "", self.pool.pool_id if self.pool else 0, self.scfg.max_message_bytes,
                                        self.scfg.dedup, self.scfg.data_stream == "auto"
-                                       and stream_host(conn.endpoint) is not None))
+                                       and stream_host(conn.endpoint) is not None
+                                       and time.monotonic() >= conn.no_stream_until))
 
     def _send_ctrl(self, conn: Conn, msg: Any) -> None:
         """Small control message, never blocking the loop (dropped and counted if the pipe is full)."""
@@ -275,9 +279,9 @@ class SenderAgent(AgentBase):
             if conn.state == "registered" and not again:
                 self._conn_lost(conn, f"receiver {conn.receiver} restarted")
             conn.state, conn.receiver, conn.receiver_inc, conn.reason = "registered", msg.receiver, msg.incarnation, ""
-            conn.shm = msg.shm
             if again:
-                return  # the answer to a repeated register: the connection, and its stream, go on
+                return  # the answer to a repeated register: the connection, its path and stream go on
+            conn.shm = msg.shm
             host = stream_host(conn.endpoint)
             if msg.stream_port and host is not None and not msg.shm and self.scfg.data_stream == "auto":
                 self._drop_stream(conn)
@@ -364,6 +368,7 @@ class SenderAgent(AgentBase):
             await writer.connect(host, port, key, 5.0)
         except TransferdError as exc:
             if conn.stream is writer:  # nothing went on it yet: the data takes the ZeroMQ socket
+                writer.fallback = True
                 conn.stream = None
                 self.acct.dropped["stream_connect_failed"] += 1
                 log.warning("%s: %s; data to receiver %s goes over its ZeroMQ socket instead (open the port, "
@@ -374,6 +379,13 @@ class SenderAgent(AgentBase):
     def _stream_lost(self, conn: Conn, writer: StreamWriter, reason: str) -> None:
         if conn.stream is writer:
             conn.stream = None
+            # something at that port that is not the receiver would fail every room, over and over
+            conn.stream_failures = conn.stream_failures + 1 if writer.records == 0 else 0
+            if conn.stream_failures >= STREAM_FAILURES:
+                conn.stream_failures, conn.no_stream_until = 0, time.monotonic() + STREAM_BACKOFF_S
+                log.warning("%s: %d data streams to %s ended before carrying anything; not asking for one for "
+                            "%gs (data over the ZeroMQ socket)", self.name, STREAM_FAILURES, conn.endpoint,
+                            STREAM_BACKOFF_S)
             if conn.state == "registered":
                 self._conn_lost(conn, f"receiver {conn.receiver} at {conn.endpoint}: {reason}")
 
@@ -509,7 +521,7 @@ class SenderAgent(AgentBase):
                 try:
                     await writer.writable()
                 except TransferdError:
-                    if conn.stream is None and not writer.connected:
+                    if writer.fallback and not room.stopped:
                         continue  # it never connected: the ZeroMQ socket takes the data instead
                     raise
                 if room.stopped:

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -31,7 +32,9 @@ KEY_BYTES = 16
 HELLO_BYTES = len(HELLO_MAGIC) + KEY_BYTES
 PREFIX = struct.Struct("<IQ")
 MAX_STREAM_HEADER = 1 << 20  # a data-batch of 1024 entries with checksums is ~30 KiB
-HELLO_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 5.0  # a sender writes its hello right after connecting
+MAX_PENDING_HELLOS = 64  # connections without a hello yet; beyond it the oldest is closed
+ACCEPT_PAUSE_S = 0.1  # out of descriptors: stop accepting for this long
 IOV_CHUNK = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
 SOCK_BUFFER = 4 << 20
 SCRATCH_BYTES = 256 << 10  # discarded bytes go through this; small payloads land here first
@@ -77,20 +80,29 @@ class StreamWriter:
         self._waiters: list[asyncio.Future[None]] = []
         self.closed = False
         self.connected = False
+        self.fallback = False  # the connect failed before any byte: its messages take ZeroMQ
         self.error = ""
+        self.records = 0  # records handed to the kernel whole
 
     async def connect(self, host: str, port: int, key: bytes, timeout_s: float) -> None:
         """Connect and send the hello; raises :class:`TransferdError` naming the address."""
+        deadline = self.loop.time() + timeout_s
         try:
             infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            family, _, _, _, addr = infos[0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            _tune(sock)
-            try:
-                await asyncio.wait_for(self.loop.sock_connect(sock, addr), timeout_s)
-            except BaseException:
-                sock.close()
-                raise
+            # IPv4 first, as ZeroMQ (its IPV6 option is off): a name with both kinds of address
+            # must reach the receiver where its ZeroMQ socket did
+            infos.sort(key=lambda info: info[0] != socket.AF_INET)
+            for i, (family, _, _, _, addr) in enumerate(infos):
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                _tune(sock)
+                try:
+                    await asyncio.wait_for(self.loop.sock_connect(sock, addr),
+                                           max(0.001, deadline - self.loop.time()))
+                    break
+                except BaseException as exc:
+                    sock.close()
+                    if i == len(infos) - 1 or not isinstance(exc, OSError):
+                        raise
         except (OSError, asyncio.TimeoutError) as exc:
             raise TransferdError(f"data stream to {host}:{port}: {exc or 'connect timed out'}") from None
         if self.closed:
@@ -101,6 +113,7 @@ class StreamWriter:
         self.loop.add_reader(sock.fileno(), self._on_readable)
         if not self.try_write([HELLO_MAGIC + key]):
             raise TransferdError(f"data stream to {host}:{port}: {self.error}")
+        self.records = 0  # the hello is not one
 
     def try_write(self, bufs: list[Any]) -> bool:
         """Hand one record to the kernel; False (nothing taken) while earlier bytes still wait,
@@ -109,7 +122,10 @@ class StreamWriter:
             return False
         self.pending = bufs
         self._flush()
-        return not self.closed
+        if self.closed:
+            return False
+        self.records += 1
+        return True
 
     def _flush(self) -> None:
         sock = self.sock
@@ -225,6 +241,7 @@ class StreamReader:
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self.peer: Any = None  # set by the handler at the hello
+        self.accepted = time.monotonic()
         self._buffer = bytearray(0)
         self._small = bytearray(max(HELLO_BYTES, PREFIX.size))
         self._state = "hello"
@@ -381,6 +398,8 @@ class StreamServer:
         self.port: int = self.sock.getsockname()[1]
         self.readers: set[StreamReader] = set()
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))  # one loop: one reader reads at a time
+        self._paused: asyncio.TimerHandle | None = None
+        self.refused_unhelloed = 0
         self.loop.add_reader(self.sock.fileno(), self._on_accept)
 
     def _on_accept(self) -> None:
@@ -389,12 +408,30 @@ class StreamServer:
                 conn, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of descriptors and the like: keep listening
-                log.warning("data stream: accept failed: %s", exc)
+            except OSError as exc:  # out of descriptors or memory: the connection stays queued and
+                # the socket readable, so stop accepting for a while instead of spinning
+                log.warning("data stream: accept failed (%s); not accepting for %gs", exc, ACCEPT_PAUSE_S)
+                self.loop.remove_reader(self.sock.fileno())
+                self._paused = self.loop.call_later(ACCEPT_PAUSE_S, self._resume)
                 return
-            _tune(conn)
             where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            waiting = [r for r in self.readers if r.peer is None]
+            if len(waiting) >= MAX_PENDING_HELLOS:
+                # a flood of silent connections: a sender writes its hello as soon as it is
+                # connected, so the one that has waited longest goes
+                oldest = min(waiting, key=lambda r: r.accepted)
+                self.refused_unhelloed += 1
+                if self.refused_unhelloed in (1, 10, 100) or self.refused_unhelloed % 1000 == 0:
+                    log.warning("data stream: %d connections closed unheard (%d waiting for their hello at "
+                                "once; the oldest goes, from %s)", self.refused_unhelloed, MAX_PENDING_HELLOS,
+                                oldest.addr)
+                oldest.close()
+            _tune(conn)
             self.readers.add(StreamReader(conn, where, self, self.max_payload, self._scratch))
+
+    def _resume(self) -> None:
+        self._paused = None
+        self.loop.add_reader(self.sock.fileno(), self._on_accept)
 
     # the server sits between the readers and the handler, to forget closed readers
     def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
@@ -408,6 +445,8 @@ class StreamServer:
         self.handler.stream_closed(reader, reason)
 
     def close(self) -> None:
+        if self._paused is not None:
+            self._paused.cancel()
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         for r in list(self.readers):

@@ -1426,3 +1426,31 @@ def test_a_repeated_register_keeps_the_stream(guard: Env) -> None:
     assert r.wait().state is RoomState.SUCCESS
     r.check_pool()
     env.dc.release(r.room, group)
+
+
+def test_a_flood_of_silent_stream_connections_does_not_keep_a_sender_out(guard: Env) -> None:
+    """Connections that never send a hello are bounded (64 waiting; the oldest goes), and a sender
+    that says its hello at once still gets its stream."""
+    env = guard
+    fake, _ = fake_sender(env, channel="stream")
+    port = fake.stream.getpeername()[1]  # type: ignore[union-attr]
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(80)]
+    try:
+        def closed(s: socket.socket) -> bool:
+            s.setblocking(False)
+            try:
+                return s.recv(1) == b""
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:
+                return True
+        env.until(lambda: sum(closed(s) for s in silent) >= 16, "the oldest silent connections to be closed")
+        f2, g2 = fake_sender(env, channel="stream")
+        r = open_room(env, f2, g2)
+        r.send_all()
+        assert r.wait().state is RoomState.SUCCESS
+        r.check_pool()
+        env.dc.release(r.room, g2)
+    finally:
+        for s in silent:
+            s.close()

@@ -175,3 +175,24 @@ def test_a_stream_that_cannot_connect_leaves_the_data_on_zeromq(cluster: Cluster
     assert f"data stream to 127.0.0.1:{closed_port}" in log and "goes over its ZeroMQ socket instead" in log
     fake.send(ident, Status(TOK, ROOM, "success"))
     assert pc.wait(ROOM, 10).state is RoomState.SUCCESS
+
+
+def test_a_sender_stops_asking_for_streams_that_end_unused(cluster: Cluster, fake: FakeReceiver) -> None:
+    """Something at the stream port that closes every connection would fail every room again and
+    again: after three streams lost before carrying a record, the sender registers without asking
+    for one (for five minutes) and its data stays on ZeroMQ."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(15)
+    try:
+        pc, pool, ident, reg = _start(cluster, fake)
+        for epoch in range(3):
+            assert reg["stream"] is True and reg["epoch"] == epoch, reg
+            fake.send(ident, Registered(True, "", "fake", 77, stream_port=listener.getsockname()[1], stream_key=KEY))
+            conn, _ = listener.accept()
+            conn.close()  # at once: the sender loses the stream and registers again
+            ident, reg, _ = fake.next("register")
+        assert reg["stream"] is False and reg["epoch"] == 3, reg
+        log = cluster.proc("sender-fs-r0").log.read_text()
+        assert "3 data streams to" in log and "ended before carrying anything" in log
+    finally:
+        listener.close()
