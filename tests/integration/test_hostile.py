@@ -73,11 +73,14 @@ def record(header: bytes, *payloads: bytes, payload_len: int | None = None) -> b
 
 
 def closed_by_peer(s: socket.socket, timeout: float = 10.0) -> bool:
+    """The receiver closed ``s`` (within ``timeout``; 0: already)."""
     s.settimeout(timeout)
     try:
         return s.recv(1) == b""
     except ConnectionResetError:
         return True
+    except (BlockingIOError, TimeoutError):
+        return False
 
 
 class Fake:
@@ -1436,15 +1439,7 @@ def test_a_flood_of_silent_stream_connections_does_not_keep_a_sender_out(guard: 
     port = fake.stream.getpeername()[1]  # type: ignore[union-attr]
     silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(80)]
     try:
-        def closed(s: socket.socket) -> bool:
-            s.setblocking(False)
-            try:
-                return s.recv(1) == b""
-            except BlockingIOError:
-                return False
-            except ConnectionResetError:
-                return True
-        env.until(lambda: sum(closed(s) for s in silent) >= 16, "the oldest silent connections to be closed")
+        env.until(lambda: sum(closed_by_peer(s, 0) for s in silent) >= 16, "the oldest silent connections to close")
         f2, g2 = fake_sender(env, channel="stream")
         r = open_room(env, f2, g2)
         r.send_all()
