@@ -65,6 +65,7 @@ class Summary:
     received_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     state_bytes_skipped: int = 0
     same_host_bytes: int = 0
+    stream_bytes: int = 0
     expected_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     seconds: float = 0.0
     rooms_failed_by_reason: dict[str, int] = field(default_factory=dict)
@@ -444,6 +445,7 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
                 summary.wire_bytes[kind] += st["bytes"][kind]
             summary.state_bytes_skipped += st["state_bytes_skipped"]
             summary.same_host_bytes += st["shm_bytes"]
+            summary.stream_bytes += st["stream_bytes"]
     finally:
         bar.close()
         for t in timers:
@@ -518,8 +520,10 @@ def _print_summary(s: Summary, ok: bool) -> None:
     total_wire = sum(s.wire_bytes.values())
     print(f"transferd demo: cp_size {s.cp_size}, split {s.split}: {s.rooms_ok} rooms ok, {s.rooms_failed} failed, "
           f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}")
-    via = (f", {_mb(s.same_host_bytes)} of it by the same-host path" if s.same_host_bytes
-           else ", all over ZeroMQ")
+    over_zmq = total_wire - s.same_host_bytes - s.stream_bytes
+    via = "".join([f", {_mb(s.same_host_bytes)} of it by the same-host path" if s.same_host_bytes else "",
+                   f", {_mb(s.stream_bytes)} on data streams" if s.stream_bytes else "",
+                   f", {_mb(over_zmq)} through ZeroMQ" if over_zmq else ""])
     print(f"  moved:    kv {_mb(s.wire_bytes['kv'])}, state {_mb(s.wire_bytes['state'])}, aux {_mb(s.wire_bytes['aux'])}"
           f" (total {_mb(total_wire)}{via})")
     print(f"  expected: kv {_mb(s.expected_bytes['kv'])}, state {_mb(s.expected_bytes['state'])}, "

@@ -52,6 +52,8 @@ def test_demo_is_byte_exact_with_exact_wire_accounting(tmp_path: Path, cp: int, 
     assert "PASS" in proc.stdout and f"cp_size {cp}, split {split}" in proc.stdout
     # the same-host path moves every byte by the receiver's one copy out of the senders' pools
     assert s["same_host_bytes"] == (sum(s["wire_bytes"].values()) if same_host == "auto" else 0)
+    # ... and without it, every byte goes on the senders' data streams (TCP loopback, no CURVE)
+    assert s["stream_bytes"] == (0 if same_host == "auto" else sum(s["wire_bytes"].values()))
 
 
 def test_demo_fails_loudly_when_its_pools_are_too_small(tmp_path: Path) -> None:
