@@ -140,7 +140,8 @@ def render(st: dict[str, Any], rate: float) -> str:
     out.append(f"rooms: {rooms}")
     b = s["bytes"]
     out.append(f"moved: kv {b['kv'] / 1e6:.1f} MB, state {b['state'] / 1e6:.1f} MB, aux {b['aux'] / 1e6:.3f} MB"
-               f" ({s['shm_bytes'] / 1e6:.1f} MB same-host); {rate / 1e6:.1f} MB/s"
+               f" ({s['shm_bytes'] / 1e6:.1f} MB same-host, {s.get('stream_bytes', 0) / 1e6:.1f} MB on data streams);"
+               f" {rate / 1e6:.1f} MB/s"
                + (f"; de-dup skipped {s['state_bytes_skipped'] / 1e6:.1f} MB" if st["role"] == "sender" else ""))
     if s["refused"]:
         out.append("refused: " + ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())))
