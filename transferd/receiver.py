@@ -375,7 +375,6 @@ class Receiver(AgentBase):
                    f"dedup {'on' if group.dedup else 'off'}; rank {msg.rank} says cp_size {msg.cp_size} split "
                    f"{split.value} dedup {'on' if msg.dedup else 'off'}", "inconsistent_group")
             return
-        src_pool = self._same_host_pool(msg)
         if group is None:
             group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split, msg.dedup)
         old_ident = group.ranks.get(msg.rank)
@@ -388,22 +387,20 @@ class Receiver(AgentBase):
             known = None
             if self.groups.get(msg.group) is not group:  # that was the group's last rank: it went with it
                 group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split, msg.dedup)
-        carried: StreamReader | None = None
-        repeat = known is not None and msg.epoch <= known.epoch
-        if known is not None:
-            if repeat:  # a repeated register: the same connection goes on, with its path and stream
-                carried, known.stream = known.stream, None
-                if src_pool is not None:
-                    src_pool.close()
-                src_pool, known.src_pool = known.src_pool, None
-            else:
-                self._stream_keys.pop(known.stream_key, None)
+        if known is not None and msg.epoch <= known.epoch:
+            # a repeated register (several queued while this receiver was away): the registration
+            # goes on as it is — its path, its stream or unused key, its rooms; nothing new offered
+            known.last_seen = now
+            self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation, shm=known.src_pool is not None))
+            self._assign_waiting(group, msg.rank)
+            return
+        src_pool = self._same_host_pool(msg)
+        if known is not None:  # a higher epoch: the sender gave this receiver up and came back
+            self._stream_keys.pop(known.stream_key, None)
             known.close()
-            if msg.epoch > known.epoch:
-                reason = (f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and "
-                          f"registered again")
-                log.warning("%s: %s", self.name, reason)
-                self._fail_rooms_assigned_to(msg.group, msg.rank, ident, "peer_lost", reason)
+            reason = f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and registered again"
+            log.warning("%s: %s", self.name, reason)
+            self._fail_rooms_assigned_to(msg.group, msg.rank, ident, "peer_lost", reason)
         if old_ident is not None and old_ident != ident:
             old = self.peers.pop(old_ident, None)
             if old is not None:
@@ -417,13 +414,7 @@ class Receiver(AgentBase):
         peer = self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
                                         msg.epoch, checksum, src_pool)
         port = 0
-        if repeat:
-            # nothing new to offer: the sender keeps the stream it has (or the key it is connecting with)
-            assert known is not None
-            peer.stream, peer.stream_key = carried, known.stream_key
-            if carried is not None:
-                carried.peer = peer
-        elif msg.stream and self.streams is not None and src_pool is None:
+        if msg.stream and self.streams is not None and src_pool is None:
             if len(self._stream_keys) > 4096:  # keys offered and never used, of peers gone since
                 self._stream_keys = {k: i for k, i in self._stream_keys.items()
                                      if i in self.peers and self.peers[i].stream_key == k}
@@ -435,9 +426,13 @@ class Receiver(AgentBase):
                  msg.rank, msg.cp_size, split.value, msg.incarnation, msg.pid, msg.host,
                  f"same-host path via pool {msg.pool}" if src_pool is not None else
                  f"data stream on port {port}" if port else "data over the socket")
-        for room in self._rooms_of(msg.group):
-            if not room.status.state.terminal and room.assigned.get(msg.rank) is None:
-                self._assign(room, group, msg.rank)
+        self._assign_waiting(group, msg.rank)
+
+    def _assign_waiting(self, group: Group, rank: int) -> None:
+        """Assign this rank every live room of the group it has no assignment for yet."""
+        for room in self._rooms_of(group.name):
+            if not room.status.state.terminal and room.assigned.get(rank) is None:
+                self._assign(room, group, rank)
 
     def _same_host_pool(self, msg: Register) -> Pool | None:
         """Attach the sender's pool when it offers one, runs on this kernel and the pool is
@@ -480,12 +475,27 @@ class Receiver(AgentBase):
             return None
         return room
 
-    def _landed(self, room: DecodeRoom, msg: Data | DataRef | DataRefs, nbytes: int, shm: bool) -> None:
-        """Rows of a room are in place: count them, and end the room if that completes it."""
+    def _claim(self, room: DecodeRoom, peer: Peer, msg: Data | DataRef | DataRefs) -> tuple[int, Any] | None:
+        """The destination rows of a data message (first row and None for one run, else the
+        rows), marked received in the room's coverage; None (the room failed) when the plan
+        refuses them."""
+        assert room.tracker is not None
+        try:
+            return room.tracker.accept(peer.rank, msg.kind, msg.buffer, msg.pos, msg.count)
+        except Refused as exc:
+            self._reject_frame(room, peer, exc.code, exc.reason)
+            return None
+
+    def _landed(self, room: DecodeRoom, msg: Data | DataRef | DataRefs, nbytes: int, *, shm: bool = False,
+                stream: bool = False) -> None:
+        """Rows of a room are in place: count them (by the path they came), and end the room if
+        that completes it."""
         self.acct.add(self._kind_of[msg.buffer], nbytes)
         room.received += nbytes
         if shm:
             self.acct.shm_bytes += nbytes
+        if stream:
+            self.acct.stream_bytes += nbytes
         room.last_progress = time.monotonic()
         if room.status.state is not RoomState.TRANSFERRING:
             room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
@@ -493,12 +503,12 @@ class Receiver(AgentBase):
         if room.tracker.complete:
             self._finish(room, RoomStatus(RoomState.SUCCESS))
 
-    def _on_data(self, peer: Peer, msg: Data | DataRef | DataRefs, payload: memoryview | None) -> None:
+    def _on_data(self, peer: Peer, msg: Data | DataRef | DataRefs, payload: memoryview | None, *,
+                 stream: bool = False) -> None:
         room = self._data_room(peer, msg)
         if room is None:
             return
-        tracker = room.tracker
-        assert tracker is not None and self.pool is not None
+        assert self.pool is not None
         row_bytes = self._row_bytes[msg.buffer]
         nbytes = msg.count * row_bytes
         src_rows: np.ndarray | None = None  # data-refs: the sender's rows, one per position
@@ -547,11 +557,10 @@ class Receiver(AgentBase):
                 self._reject_frame(room, peer, "aux_guard", f"aux row carries room id {guard}, "
                                                             f"expected {room.req.room}")
                 return
-        try:
-            first, rows = tracker.accept(peer.rank, msg.kind, msg.buffer, msg.pos, msg.count)
-        except Refused as exc:
-            self._reject_frame(room, peer, exc.code, exc.reason)
+        claimed = self._claim(room, peer, msg)
+        if claimed is None:
             return
+        first, rows = claimed
         dst_pool = self.pool.rows[msg.buffer]
         if src_rows is not None:
             assert src_pool is not None
@@ -562,7 +571,7 @@ class Receiver(AgentBase):
                 dst_pool[first:first + msg.count] = src
             else:
                 dst_pool[rows] = src
-        self._landed(room, msg, nbytes, src_pool is not None)
+        self._landed(room, msg, nbytes, shm=src_pool is not None, stream=stream)
 
     # -- data streams (stream.py) --------------------------------------------------------
     def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
@@ -634,11 +643,10 @@ class Receiver(AgentBase):
         buf = reader.buffer(payload_len)  # this stream's own: records of several streams interleave
 
         def deliver() -> None:  # then exactly as the same message from the ZeroMQ socket
-            o, before = 0, sum(self.acct.bytes.values())
+            o = 0
             for entry, size in zip(entries, sizes):
-                self._on_data(peer, entry, buf[o:o + size])
+                self._on_data(peer, entry, buf[o:o + size], stream=True)
                 o += size
-            self.acct.stream_bytes += sum(self.acct.bytes.values()) - before  # what was written
             self._after_data(reader)
         return Target([buf[:payload_len]], deliver)
 
@@ -649,12 +657,11 @@ class Receiver(AgentBase):
         room = self._data_room(peer, msg)
         if room is None:
             return Target([])
-        assert room.tracker is not None and self.pool is not None
-        try:
-            first, rows = room.tracker.accept(peer.rank, msg.kind, msg.buffer, msg.pos, msg.count)
-        except Refused as exc:
-            self._reject_frame(room, peer, exc.code, exc.reason)
+        claimed = self._claim(room, peer, msg)
+        if claimed is None:
             return Target([])
+        first, rows = claimed
+        assert self.pool is not None
         dst = self.pool.rows[msg.buffer]
         if rows is None:
             views = [dst[first:first + msg.count].reshape(-1).data]
@@ -665,8 +672,7 @@ class Receiver(AgentBase):
 
         def landed() -> None:
             room.streaming[rank] -= 1
-            self._landed(room, msg, nbytes, False)
-            self.acct.stream_bytes += nbytes
+            self._landed(room, msg, nbytes, stream=True)
             self._after_data(reader)
 
         def alive() -> bool:
