@@ -17,7 +17,7 @@ import random
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import zmq
@@ -501,21 +501,20 @@ class SenderAgent(AgentBase):
         if not conn.link.try_send(frames):
             self.spawn(conn.link.send(frames), f"send {type(msg).__name__}")
 
-    async def _emit(self, room: SendRoom, frames: list[Any], rows: list[np.ndarray] | None = None) -> int:
-        """Send one message of a room, waiting while the pipe is full: ``SENT_ZMQ`` or
-        ``SENT_STREAM`` (the data stream took it), or 0 (nothing sent) when the room stopped
-        meanwhile — nothing of a stopped room leaves after its fail message. ``rows``: the payload
-        frames are these rows of the pool, sent without pyzmq's reference keeping."""
+    async def _emit(self, room: SendRoom, header: bytes, payload: Sequence[Any] = (), nbytes: int = 0, *,
+                    rows: bool = False) -> int:
+        """Send one message of a room — ``header``, then the ``payload`` buffers (``nbytes`` in
+        all) — waiting while the pipe is full: ``SENT_ZMQ`` or ``SENT_STREAM`` (the data stream
+        took it), or 0 (nothing sent) when the room stopped meanwhile — nothing of a stopped room
+        leaves after its fail message. ``rows``: the payload is rows of the pool (ndarrays), which
+        ZeroMQ gets with no reference kept (zerocopy.py); otherwise buffers pyzmq may hold."""
         assert room.conn is not None
         conn = room.conn
         link, zc = conn.link, conn.rows
         while True:
             writer = conn.stream
             if writer is not None:  # the data stream: one record, payload straight out of the pool
-                payload: list[Any] = list(rows) if rows is not None else frames[1:]
-                header = frames[0]
-                record = [PREFIX.pack(len(header), sum(memoryview(p).nbytes for p in payload)), header, *payload]
-                if writer.try_write(record):
+                if writer.try_write([PREFIX.pack(len(header), nbytes), header, *payload]):
                     how = SENT_STREAM
                     break
                 try:
@@ -527,12 +526,12 @@ class SenderAgent(AgentBase):
                 if room.stopped:
                     return 0
                 continue
-            if rows is not None:
+            if rows:
                 assert zc is not None
-                sent = zc.try_send(frames[0], [(r.ctypes.data, r.nbytes) for r in rows])
+                sent = zc.try_send(header, [(r.ctypes.data, r.nbytes) for r in payload])
                 link.kick()
             else:
-                sent = link.try_send(frames, copy=False)
+                sent = link.try_send([header, *payload], copy=False)
             if sent:
                 how = SENT_ZMQ
                 break
@@ -642,18 +641,18 @@ class SenderAgent(AgentBase):
         # (and every payload where libzmq is not reachable) as pyzmq frames — memoryviews, not
         # ndarrays: pyzmq formats repr() of what it queues (~30 µs for an array)
         direct = room.conn is not None and room.conn.rows is not None and not any(c for _, _, c in pieces)
+        nbytes = sum(p.nbytes for _, p, _ in pieces)
         if direct:  # the payload frames are the rows' addresses: no pyzmq frame objects to build
-            sent = await self._emit(room, [header], rows=[p for _, p, _ in pieces])
+            sent = await self._emit(room, header, [p for _, p, _ in pieces], nbytes, rows=True)
         else:
-            sent = await self._emit(room, [header, *(p.data for _, p, _ in pieces)])
+            sent = await self._emit(room, header, [p.data for _, p, _ in pieces], nbytes)
         if not sent:
             return
-        sent_on_stream = sent == SENT_STREAM
         for d, payload, _ in pieces:
             self.acct.add(KINDS[d.kind], payload.nbytes)
-            room.sent += payload.nbytes
-            if sent_on_stream:
-                self.acct.stream_bytes += payload.nbytes
+        room.sent += nbytes
+        if sent == SENT_STREAM:
+            self.acct.stream_bytes += nbytes
 
     async def _send_refs(self, room: SendRoom, kind: int, buffer: int, pos: int, src_rows: np.ndarray) -> None:
         """Same host: name the rows, the receiver copies them out of this pool after its checks."""
@@ -664,7 +663,7 @@ class SenderAgent(AgentBase):
             return
         count = len(src_rows)
         rows = np.ascontiguousarray(src_rows, dtype="<i8").tobytes()
-        if not await self._emit(room, [encode(DataRefs(room.assign.tok, kind, buffer, pos, count)), rows]):
+        if not await self._emit(room, encode(DataRefs(room.assign.tok, kind, buffer, pos, count)), [rows], len(rows)):
             return
         nbytes = count * self.layout.buffers[buffer].row_bytes
         self.acct.add(KINDS[kind], nbytes)
@@ -724,7 +723,7 @@ class SenderAgent(AgentBase):
         if room.stopped:
             return
         room.handed = True
-        await self._emit(room, [encode(Done(a.tok, self.rank, *room.planned))])
+        await self._emit(room, encode(Done(a.tok, self.rank, *room.planned)))
 
     # -- engine API ----------------------------------------------------------------------
     def submit(self, room_id: int, start: int, src_pages: tuple[int, ...], *, last: bool = False,
