@@ -375,9 +375,14 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb(msg.header(), use_bin_type=True)
 
 
+def _rows_in_range(tok: int, kind: int, buf: int, pos: int, count: int) -> bool:
+    """The fields every data-like header shares: token, kind, buffer, position, row count."""
+    return (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
+            and 1 <= count < 1 << 32)
+
+
 def _data_fields(tok: int, kind: int, buf: int, pos: int, count: int, csum: int | None, obj: Any) -> Data:
-    if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
-            and 1 <= count < 1 << 32 and (csum is None or 0 <= csum <= U64_MAX)):
+    if not (_rows_in_range(tok, kind, buf, pos, count) and (csum is None or 0 <= csum <= U64_MAX)):
         raise DecodeError(f"data header fields out of range: {obj}")
     return Data(tok, kind, buf, pos, count, csum)
 
@@ -395,8 +400,7 @@ def decode_header(frame: bytes | memoryview) -> Message:
         if len(obj) != 7 or not all(type(x) is int for x in obj):
             raise DecodeError("data-ref header must be [2, tok, kind, buffer, pos, count, src_row] of ints")
         tok, kind, buf, pos, count, src_row = obj[1:]
-        if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
-                and 1 <= count < 1 << 32 and 0 <= src_row < 1 << 40):
+        if not (_rows_in_range(tok, kind, buf, pos, count) and 0 <= src_row < 1 << 40):
             raise DecodeError(f"data-ref header fields out of range: {obj}")
         return DataRef(tok, kind, buf, pos, count, src_row)
     if isinstance(obj, list) and obj and obj[0] == DATA_BATCH_TAG:
@@ -417,8 +421,7 @@ def decode_header(frame: bytes | memoryview) -> Message:
         if len(obj) != 6 or not all(type(x) is int for x in obj):
             raise DecodeError("data-refs header must be [3, tok, kind, buffer, pos, count] of ints")
         tok, kind, buf, pos, count = obj[1:]
-        if not (0 <= tok <= U64_MAX and kind in (0, 1, 2) and 0 <= buf < 1 << 20 and 0 <= pos < 1 << 40
-                and 1 <= count < 1 << 32):
+        if not _rows_in_range(tok, kind, buf, pos, count):
             raise DecodeError(f"data-refs header fields out of range: {obj}")
         return DataRefs(tok, kind, buf, pos, count)
     if isinstance(obj, list):
