@@ -582,27 +582,21 @@ class _Bench:
         dt = time.perf_counter() - t0
         return {"gbps": n * size / dt / 1e9}
 
-    def raw_zmq(self, key: str) -> dict[str, Any]:
-        assert self.lim_pool is not None and self.pull is not None and self.ctrl is not None
+    def _raw(self, key: str, how: str, receive: Callable[[np.ndarray, int, int], None]) -> dict[str, Any]:
+        """One baseline measurement: the sender subprocess sends the bulk bytes in messages of
+        ``key``'s size over ``how`` ("zmq" or "tcp"); ``receive(dst, size, n)`` takes them into
+        the ring ``dst`` in this process. The CPU of both sides is read around it."""
+        assert self.lim_pool is not None and self.ctrl is not None and self.raw is not None
         size = SIZES[key]
         dst = self.lim_pool.rows[1].reshape(-1)
-        ring = dst.size // size
         n = (self.plan.bulk_room_bytes * self.plan.bulk_rooms) // size
-        pull = self.pull
-        assert self.raw is not None
         cpu0 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
         t0 = time.perf_counter()
-        self.ctrl.send(msgpack.packb([size, n, "zmq"]))
-        for i in range(n):
-            frame = pull.recv(copy=False)
-            buf = np.frombuffer(frame.buffer, dtype=np.uint8)
-            if buf.size != size:
-                raise TransferdError(f"bench: raw zmq frame of {buf.size} bytes, expected {size}")
-            o = (i % ring) * size
-            np.copyto(dst[o:o + size], buf)
+        self.ctrl.send(msgpack.packb([size, n, how]))
+        receive(dst, size, n)
         dt = time.perf_counter() - t0
         if not self.ctrl.poll(30_000) or self.ctrl.recv() != b"sent":
-            raise TransferdError("bench: the raw zmq sender did not confirm")
+            raise TransferdError(f"bench: the raw {how} sender did not confirm")
         cpu1 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
         out: dict[str, Any] = {"gbps": n * size / dt / 1e9}
         if None not in cpu0 and None not in cpu1:  # this process is the receiver (the bench is idle meanwhile)
@@ -611,39 +605,39 @@ class _Bench:
             out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
         return out
 
+    def raw_zmq(self, key: str) -> dict[str, Any]:
+        """Raw pyzmq: PUSH/PULL, zero-copy sends, every frame copied into the ring."""
+        assert self.pull is not None
+        pull = self.pull
+
+        def receive(dst: np.ndarray, size: int, n: int) -> None:
+            ring = dst.size // size
+            for i in range(n):
+                buf = np.frombuffer(pull.recv(copy=False).buffer, dtype=np.uint8)
+                if buf.size != size:
+                    raise TransferdError(f"bench: raw zmq frame of {buf.size} bytes, expected {size}")
+                o = (i % ring) * size
+                np.copyto(dst[o:o + size], buf)
+        return self._raw(key, "zmq", receive)
+
     def raw_tcp(self, key: str) -> dict[str, Any]:
         """The raw TCP limit: the same messages as ``raw_zmq`` through one plain TCP connection
         (``sendall`` out of the pool), received with ``recv_into`` straight into the ring of the
         destination pool: one kernel copy a side, no framing beyond the fixed size."""
-        assert self.lim_pool is not None and self.tcp is not None and self.ctrl is not None
-        assert self.raw is not None
-        size = SIZES[key]
-        dst = self.lim_pool.rows[1].reshape(-1).data
-        ring = len(dst) // size
-        n = (self.plan.bulk_room_bytes * self.plan.bulk_rooms) // size
-        recv_into, conn = self.tcp.recv_into, self.tcp
-        cpu0 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
-        t0 = time.perf_counter()
-        self.ctrl.send(msgpack.packb([size, n, "tcp"]))
-        for i in range(n):
-            o = (i % ring) * size
-            view, got = dst[o:o + size], 0
-            while got < size:
-                k = recv_into(view[got:])
-                if not k:
-                    raise TransferdError("bench: the raw tcp sender closed its connection")
-                got += k
-        dt = time.perf_counter() - t0
-        del view, dst, conn
-        if not self.ctrl.poll(30_000) or self.ctrl.recv() != b"sent":
-            raise TransferdError("bench: the raw tcp sender did not confirm")
-        cpu1 = [_cpu_seconds(os.getpid()), _cpu_seconds(self.raw.pid)]
-        out: dict[str, Any] = {"gbps": n * size / dt / 1e9}
-        if None not in cpu0 and None not in cpu1:
-            gb = n * size / 1e9
-            out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
-            out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
-        return out
+        assert self.tcp is not None
+        recv_into = self.tcp.recv_into
+
+        def receive(dst: np.ndarray, size: int, n: int) -> None:
+            ring, mem = dst.size // size, dst.data
+            for i in range(n):
+                o = (i % ring) * size
+                view, got = mem[o:o + size], 0
+                while got < size:
+                    k = recv_into(view[got:])
+                    if not k:
+                        raise TransferdError("bench: the raw tcp sender closed its connection")
+                    got += k
+        return self._raw(key, "tcp", receive)
 
     def bulk_room(self, key: str, path: str = "tcp") -> dict[str, Any]:
         """Bulk rooms of one sender: ``tcp`` (the default path between hosts: a data stream),
