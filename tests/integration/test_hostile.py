@@ -518,6 +518,13 @@ def fake_sender(env: Env, *, channel: str = "zmq", **reg: Any) -> tuple[Fake, st
     return f, group
 
 
+def fake_room(env: Env, *, channel: str = "zmq", reg: dict[str, Any] | None = None,
+              **room_kw: Any) -> tuple[Fake, str, FakeRoom]:
+    """A fake sender of a new group (:func:`fake_sender`) and a room it was assigned (:func:`open_room`)."""
+    fake, group = fake_sender(env, channel=channel, **(reg or {}))
+    return fake, group, open_room(env, fake, group, **room_kw)
+
+
 def _kv0(r: FakeRoom) -> int:
     return r.layout.indices("kv")[0]
 
@@ -701,8 +708,7 @@ def test_fake_sender_bad_data_fails_the_room_and_writes_nothing(
         room_kw: dict[str, Any], channel: str) -> None:
     """Every case twice: data on the ZeroMQ socket, and as records on a data stream."""
     env = guard
-    fake, group = fake_sender(env, channel=channel, **reg)
-    r = open_room(env, fake, group, **room_kw)
+    fake, group, r = fake_room(env, channel=channel, reg=reg, **room_kw)
     before, fails_before = env.refused(), dict(env.dc.stats()["failures"])
     logs = env.log_lines(refusal) if refusal else 0
     case(r)
@@ -731,8 +737,7 @@ def test_fake_sender_bad_data_fails_the_room_and_writes_nothing(
 
 def test_data_for_a_token_never_assigned_is_refused_and_the_room_still_completes(guard: Env) -> None:
     env = guard
-    fake, group = fake_sender(env)
-    r = open_room(env, fake, group)
+    fake, group, r = fake_room(env)
     before, logs = env.refused(), env.log_lines("unknown_room")
     for tok in (r.tok + 1, r.tok ^ (1 << 40), 0):
         fake.data(tok, KV, _kv0(r), 0, 1, bytes(ROW))
@@ -813,8 +818,7 @@ def test_data_after_its_own_done_fails_the_room(guard: Env) -> None:
 
 def test_messages_a_receiver_never_gets_are_refused_from_a_registered_peer(guard: Env) -> None:
     env = guard
-    fake, group = fake_sender(env)
-    r = open_room(env, fake, group)
+    fake, group, r = fake_room(env)
     before, logs = env.refused(), env.log_lines("unexpected_type")
     fake.ctrl(Assign(9, 9, 1, 0, (0,), {}, 0).header())
     fake.ctrl(Registered(True, "", "x", 1).header())
@@ -1098,8 +1102,7 @@ def _shm_fake(env: Env) -> tuple[Fake, str, Pool]:
 @pytest.mark.parametrize("refs", ["data-ref", "data-refs"])
 def test_data_refs_without_an_agreed_same_host_path_fail_the_room(guard: Env, refs: str) -> None:
     env = guard
-    fake, group = fake_sender(env)
-    r = open_room(env, fake, group)
+    fake, group, r = fake_room(env)
     before, logs = env.refused(), env.log_lines("no_shm")
     if refs == "data-ref":
         _data_ref(fake, r.tok, KV, _kv0(r), 0, 1, 0)
@@ -1202,8 +1205,7 @@ def _batch(r: FakeRoom, entries: list[tuple[int, int, int, int]], *, frames: int
 
 def test_a_data_batch_completes_a_room_byte_exact(guard: Env) -> None:
     env = guard
-    fake, group = fake_sender(env)
-    r = open_room(env, fake, group)
+    fake, group, r = fake_room(env)
     L = r.layout
     entries = [(KV, b, 0, r.n) for b in L.indices("kv")]
     entries += [(STATE, b, 0, len(r.slots[L.buffers[b].component])) for b in L.indices("state")]
@@ -1220,8 +1222,7 @@ def test_a_data_batch_completes_a_room_byte_exact(guard: Env) -> None:
 
 def test_a_data_batch_short_of_payload_frames_is_refused_and_writes_nothing(guard: Env) -> None:
     env = guard
-    fake, group = fake_sender(env)
-    r = open_room(env, fake, group)
+    fake, group, r = fake_room(env)
     kv0 = _kv0(r)
     before, logs = env.refused(), env.log_lines("malformed")
     _batch(r, [(KV, kv0, 0, 1), (KV, kv0, 1, 1)], frames=1)
@@ -1235,8 +1236,7 @@ def test_a_data_batch_short_of_payload_frames_is_refused_and_writes_nothing(guar
 
 def test_a_bad_entry_in_a_data_batch_fails_the_room_and_later_entries_are_not_written(guard: Env) -> None:
     env = guard
-    fake, group = fake_sender(env)
-    r = open_room(env, fake, group)
+    fake, group, r = fake_room(env)
     kv0 = _kv0(r)
     before, logs = env.refused(), env.log_lines("duplicate")
     # entry 2 repeats entry 1's position: the room fails there; entry 3 is dropped, never written
@@ -1271,8 +1271,7 @@ def test_a_stream_room_completes_byte_exact_rows_read_straight_and_batched(guard
     """Records on a data stream: KV payloads of 64 KiB (read straight into the rows, scattered
     destination included), state and aux in a data batch (through the stream's buffer), done."""
     env = guard
-    fake, group = fake_sender(env, channel="stream")
-    r = open_room(env, fake, group, n=128)
+    fake, group, r = fake_room(env, channel="stream", n=128)
     L = r.layout
     before = env.dc.stats()["stream_bytes"]
     for b in L.indices("kv"):
@@ -1328,8 +1327,7 @@ def test_a_stream_key_serves_one_connection(guard: Env) -> None:
 @pytest.mark.parametrize("case", ["header-too-long", "payload-over-max-frame", "closed-mid-record"])
 def test_a_broken_stream_loses_the_peer_and_fails_its_room(guard: Env, case: str) -> None:
     env = guard
-    fake, group = fake_sender(env, channel="stream")
-    r = open_room(env, fake, group)
+    fake, group, r = fake_room(env, channel="stream")
     kv0 = _kv0(r)
     head = pack([1, r.tok, KV, kv0, 0, 2])
     s = fake.stream
@@ -1355,8 +1353,7 @@ def test_rows_of_a_room_aborted_while_its_payload_arrives_are_not_written(guard:
     """The abort barrier on a stream: a payload read straight into the rows stops at the abort;
     its later bytes are read and dropped."""
     env = guard
-    fake, group = fake_sender(env, channel="stream")
-    r = open_room(env, fake, group, n=128)
+    fake, group, r = fake_room(env, channel="stream", n=128)
     kv0 = _kv0(r)
     s = fake.stream
     assert s is not None
@@ -1378,8 +1375,7 @@ def test_rows_of_a_room_aborted_while_its_payload_arrives_are_not_written(guard:
 
 def test_messages_other_than_data_and_done_on_a_stream_are_refused(guard: Env) -> None:
     env = guard
-    fake, group = fake_sender(env, channel="stream")
-    r = open_room(env, fake, group)
+    fake, group, r = fake_room(env, channel="stream")
     s = fake.stream
     assert s is not None
     for i, head in enumerate([Fail(r.tok, "x", "y").header(), Ping(1).header(), [2, r.tok, KV, _kv0(r), 0, 1, 0]]):
@@ -1397,8 +1393,7 @@ def test_a_done_past_the_stream_while_its_rows_arrive_fails_the_room(guard: Env)
     overtakes them (sent on ZeroMQ, which the reference sender never does) must not end the room
     as a success."""
     env = guard
-    fake, group = fake_sender(env, channel="stream")
-    r = open_room(env, fake, group, n=128)
+    fake, group, r = fake_room(env, channel="stream", n=128)
     kv0 = _kv0(r)
     s = fake.stream
     assert s is not None
