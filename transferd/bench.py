@@ -81,6 +81,7 @@ class Plan:
     """How much work one run does."""
 
     repeats: int
+    target_repeats: int  # rounds of the 1 MiB block, whose ratios the targets read (cheap: ~0.5 s a round)
     bulk_room_bytes: int  # KV bytes of one bulk room
     bulk_rooms: int  # bulk rooms per measurement, all in flight; the limits move the same bytes
     dedup_rooms: int  # typical rooms per de-dup measurement, in flight together (times are per room)
@@ -90,9 +91,9 @@ class Plan:
     room_timeout_s: float = 60.0
 
 
-QUICK = Plan(repeats=5, bulk_room_bytes=16 * MiB, bulk_rooms=16, dedup_rooms=1, small_latency_rooms=40,
+QUICK = Plan(repeats=5, target_repeats=11, bulk_room_bytes=16 * MiB, bulk_rooms=16, dedup_rooms=1, small_latency_rooms=40,
              small_batch_rooms=128, small_verify_every=16)
-FULL = Plan(repeats=7, bulk_room_bytes=16 * MiB, bulk_rooms=32, dedup_rooms=1, small_latency_rooms=200,
+FULL = Plan(repeats=7, target_repeats=15, bulk_room_bytes=16 * MiB, bulk_rooms=32, dedup_rooms=1, small_latency_rooms=200,
             small_batch_rooms=512, small_verify_every=32)
 
 
@@ -118,6 +119,40 @@ def _median(xs: Sequence[float | None]) -> float | None:
 
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(float(x), nd)
+
+
+def block_of(name: str) -> str:
+    """The block a subject is measured in. Every ratio the bench prints compares subjects of one
+    block, and a block's subjects are measured one right after another in each round: a burst of
+    load from elsewhere on the host then falls on both sides of a ratio, not on one of them."""
+    kind, _, arg = name.partition("/")
+    if kind in ("dedup_on", "dedup_off"):
+        return "dedup"
+    if kind == "small":
+        return "small"
+    return "1MiB" if arg.endswith("_contig") else arg  # 64 KiB rows on contiguous pages: 1 MiB messages
+
+
+def schedule(names: Sequence[str], repeats: int, target_repeats: int, seed: int = 20240) -> list[list[str]]:
+    """The measured rounds: each one the blocks in a new order, and each block's subjects in a
+    new order, one after another. The 1 MiB block (whose ratios the targets read) takes part in
+    ``target_repeats`` rounds, every other block in ``repeats``."""
+    blocks: dict[str, list[str]] = {}
+    for name in names:
+        blocks.setdefault(block_of(name), []).append(name)
+    count = {b: target_repeats if b == "1MiB" else repeats for b in blocks}
+    order = random.Random(seed)
+    out: list[list[str]] = []
+    for k in range(max(count.values(), default=0)):
+        todo = [b for b in blocks if k < count[b]]
+        order.shuffle(todo)
+        names_k: list[str] = []
+        for b in todo:
+            members = blocks[b][:]
+            order.shuffle(members)
+            names_k.extend(members)
+        out.append(names_k)
+    return out
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -837,10 +872,12 @@ class _Bench:
     def run_rounds(self) -> None:
         self._wait_raw_ready()
         subjects = self.subjects()
+        fns = dict(subjects)
+        rounds = schedule([n for n, _ in subjects], self.plan.repeats, self.plan.target_repeats)
         from tqdm import tqdm
 
         # a bar on a terminal only (the table and the JSON never mix with it)
-        bar = tqdm(total=len(subjects) * (1 + self.plan.repeats), unit="step", desc="transferd bench",
+        bar = tqdm(total=len(subjects) + sum(map(len, rounds)), unit="step", desc="transferd bench",
                    file=sys.stderr, leave=False, disable=not self.progress)
         try:
             # one discarded pass: page-table faults of every daemon's first touch of its pool, TCP
@@ -850,13 +887,10 @@ class _Bench:
                 fn()
                 bar.update(1)
             self.latencies = {cp: [] for cp in SMALL_CPS}
-            order = random.Random(20240)
-            for k in range(self.plan.repeats):
-                todo = subjects[:]
-                order.shuffle(todo)
-                for name, fn in todo:
-                    bar.set_postfix_str(f"round {k + 1}/{self.plan.repeats} {name}", refresh=False)
-                    self.results.setdefault(name, []).append(fn())
+            for k, names in enumerate(rounds):
+                for name in names:
+                    bar.set_postfix_str(f"round {k + 1}/{len(rounds)} {name}", refresh=False)
+                    self.results.setdefault(name, []).append(fns[name]())
                     bar.update(1)
         finally:
             bar.close()
@@ -1104,6 +1138,7 @@ class _Bench:
             targets[">= 2x mooncake tcp"] = {"value": _r(v, 3), "met": _met(v, TARGETS["vs_mooncake_tcp"], True)}
         return {
             "bench_version": BENCH_VERSION, "quick": self.quick, "repeats": self.plan.repeats,
+            "target_repeats": self.plan.target_repeats,
             "host": _host(), "limits": limits, "bulk": bulk,
             "same_host": same_host,
             "small_rooms": small, "dedup": dedup, "ratios": ratios, "targets": targets,
@@ -1268,7 +1303,9 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
 
 def format_table(out: dict[str, Any]) -> str:
     h = out["host"]
-    lines = [f"transferd bench ({'quick' if out['quick'] else 'full'}): {out['repeats']} interleaved rounds, "
+    rounds = f"{out['repeats']}" + (f" ({out['target_repeats']} at 1 MiB)" if out.get("target_repeats", out["repeats"])
+                                   != out["repeats"] else "")
+    lines = [f"transferd bench ({'quick' if out['quick'] else 'full'}): {rounds} interleaved rounds, "
              f"medians; {h['cpus']} CPUs, load {h.get('loadavg_before', [])} → {h['loadavg']}; "
              f"pyzmq {h['pyzmq']} / libzmq {h['libzmq']}; GB/s = 1e9 B/s", ""]
     lim, bulk = out["limits"], out["bulk"]
@@ -1427,7 +1464,7 @@ def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_pa
         return 2
     plan = QUICK if quick else FULL
     if repeats is not None:
-        plan = replace(plan, repeats=repeats)
+        plan = replace(plan, repeats=repeats, target_repeats=repeats)
     try:
         ds_path = dedup_config_path()
     except ConfigError as exc:
