@@ -58,6 +58,7 @@ from .malloc import keep_message_buffers_mapped
 from .pool import Pool, shm_dir
 from .protocol.policy import SplitMode, group_plans
 from .protocol.room import RoomState
+from .stream import RECV_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -668,7 +669,7 @@ class _Bench:
                 o = (i % ring) * size
                 view, got = mem[o:o + size], 0
                 while got < size:
-                    k = recv_into(view[got:])
+                    k = recv_into(view[got:got + RECV_CHUNK])
                     if not k:
                         raise TransferdError("bench: the raw tcp sender closed its connection")
                     got += k

@@ -37,6 +37,10 @@ MAX_PENDING_HELLOS = 64  # connections without a hello yet; beyond it the oldest
 ACCEPT_PAUSE_S = 0.1  # out of descriptors: stop accepting for this long
 IOV_CHUNK = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
 SOCK_BUFFER = 4 << 20
+# the most one recv_into asks for: a read holds the socket's lock while it copies, and the peer's
+# segments wait in the backlog meanwhile; reads of 64 KiB moved 1 MiB records 1.15-1.25x faster
+# than whole-payload reads on loopback (32 KiB: the same, 16 KiB: slower; docs/PERFORMANCE.md item 15)
+RECV_CHUNK = 64 << 10
 SCRATCH_BYTES = 256 << 10  # discarded bytes go through this; small payloads land here first
 
 
@@ -285,7 +289,7 @@ class StreamReader:
                 self._drop_rest()
             view = self._views[0]
             try:
-                n = recv_into(view[self._got:])
+                n = recv_into(view[self._got:self._got + RECV_CHUNK])
             except BlockingIOError:
                 return
             except OSError as exc:
