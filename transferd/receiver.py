@@ -638,8 +638,8 @@ class Receiver(AgentBase):
                 self._reject_frame(room, peer, "length_mismatch", f"data stream record of {payload_len} payload "
                                                                   f"bytes for rows of {sum(sizes)} bytes")
             return drop
-        if isinstance(msg, Data) and peer.checksum is None and msg.kind != 2 and payload_len >= DIRECT_MIN_BYTES:
-            return self._stream_direct(peer, msg, payload_len)
+        if peer.checksum is None and payload_len >= DIRECT_MIN_BYTES and all(e.kind != 2 for e in entries):
+            return self._stream_direct(peer, entries, sizes)
         buf = reader.buffer(payload_len)  # this stream's own: records of several streams interleave
 
         def deliver() -> None:  # then exactly as the same message from the ZeroMQ socket
@@ -650,34 +650,42 @@ class Receiver(AgentBase):
             self._after_data(reader)
         return Target([buf[:payload_len]], deliver)
 
-    def _stream_direct(self, peer: Peer, msg: Data, nbytes: int) -> Target:
-        """A large payload is read straight into its destination rows: every check first, the
-        rows claimed in the tracker, then the bytes; if the room ends while they arrive, the rest
-        is dropped (the stream reader asks before each read)."""
-        room = self._data_room(peer, msg)
-        if room is None:
-            return Target([])
-        claimed = self._claim(room, peer, msg)
-        if claimed is None:
-            return Target([])
-        first, rows = claimed
+    def _stream_direct(self, peer: Peer, entries: tuple[Data, ...], sizes: list[int]) -> Target:
+        """A large payload (one data entry, or a batch of them) is read straight into its
+        destination rows: every check first, the rows of every entry claimed in the tracker,
+        then the bytes; if the room ends while they arrive, the rest is dropped (the stream
+        reader asks before each read). An entry refused fails the room, and the whole payload is
+        dropped; the entries after it are counted as the ZeroMQ path counts them."""
         assert self.pool is not None
-        dst = self.pool.rows[msg.buffer]
-        if rows is None:
-            views = [dst[first:first + msg.count].reshape(-1).data]
-        else:
-            views = [dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1).data for a, b in runs(rows, rows)]
+        views: list[memoryview] = []
+        room: DecodeRoom | None = None
+        for i, msg in enumerate(entries):
+            room = self._data_room(peer, msg)
+            claimed = self._claim(room, peer, msg) if room is not None else None
+            if claimed is None:
+                for rest in entries[i + 1:]:
+                    self._data_room(peer, rest)
+                return Target([])
+            first, rows = claimed
+            dst = self.pool.rows[msg.buffer]
+            if rows is None:
+                views.append(dst[first:first + msg.count].reshape(-1).data)
+            else:
+                views += [dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1).data for a, b in runs(rows, rows)]
+        assert room is not None
+        live = room
         reader, rank = peer.stream, peer.rank
-        room.streaming[rank] = room.streaming.get(rank, 0) + 1
+        live.streaming[rank] = live.streaming.get(rank, 0) + 1
 
         def landed() -> None:
-            room.streaming[rank] -= 1
-            self._landed(room, msg, nbytes, stream=True)
+            live.streaming[rank] -= 1
+            for msg, nbytes in zip(entries, sizes):  # no room completes before its rank's done
+                self._landed(live, msg, nbytes, stream=True)
             self._after_data(reader)
 
         def alive() -> bool:
-            if room.status.state.terminal:
-                room.streaming[rank] -= 1  # asked no more: the rest is dropped
+            if live.status.state.terminal:
+                live.streaming[rank] -= 1  # asked no more: the rest is dropped
                 return False
             return True
         return Target(views, landed, alive)

@@ -41,6 +41,7 @@ SOCK_BUFFER = 4 << 20
 # segments wait in the backlog meanwhile; reads of 64 KiB moved 1 MiB records 1.15-1.25x faster
 # than whole-payload reads on loopback (32 KiB: the same, 16 KiB: slower; docs/PERFORMANCE.md item 15)
 RECV_CHUNK = 64 << 10
+MAX_SCATTER = 64  # views one read may fill (IOV_MAX is 1024)
 SCRATCH_BYTES = 256 << 10  # discarded bytes go through this; small payloads land here first
 
 
@@ -280,36 +281,54 @@ class StreamReader:
             self.loop.add_reader(self.sock.fileno(), self._on_readable)
 
     def _on_readable(self) -> None:
-        recv_into = self.sock.recv_into
+        recv_into, recvmsg_into = self.sock.recv_into, self.sock.recvmsg_into
         for _ in range(self.budget):
             if self.closed or self._paused is not None:
                 return
             t = self._target
             if t is not None and t.alive is not None and not t.alive():
                 self._drop_rest()
-            view = self._views[0]
+            views, got = self._views, self._got
+            view = views[0]
+            left = len(view) - got
             try:
-                n = recv_into(view[self._got:self._got + RECV_CHUNK])
+                if left >= RECV_CHUNK or len(views) == 1:
+                    n = recv_into(view[got:got + RECV_CHUNK])
+                else:  # small views left (rows of a batch): one read fills as many as a chunk holds
+                    bufs, room = [view[got:]], RECV_CHUNK - left
+                    for v in views[1:MAX_SCATTER]:
+                        if room <= 0:
+                            break
+                        bufs.append(v[:room])
+                        room -= len(v)
+                    n = recvmsg_into(bufs)[0]
             except BlockingIOError:
                 return
             except OSError as exc:
                 self.close(f"data stream from {self.addr} broken: {exc}")
                 return
             if not n:
-                at_boundary = self._state == "prefix" and self._got == 0
+                at_boundary = self._state == "prefix" and got == 0
                 self.close(f"data stream from {self.addr} closed" + ("" if at_boundary else " in mid-message"))
                 return
-            self._got += n
-            if self._got == len(view):
-                self._got = 0
-                del self._views[0]
-                if not self._views:
-                    try:
-                        self._step()
-                    except Exception:  # a bug: end this stream, not the loop (nothing left to read into)
-                        log.exception("data stream from %s: error while handling a record", self.addr)
-                        self.close(f"data stream from {self.addr}: internal error")
-                        return
+            if n < left:
+                self._got = got + n
+                continue
+            n -= left  # the first view is full; the rest of the read went into the next ones
+            del views[0]
+            while n:
+                if n < len(views[0]):
+                    break
+                n -= len(views[0])
+                del views[0]
+            self._got = n
+            if not views:
+                try:
+                    self._step()
+                except Exception:  # a bug: end this stream, not the loop (nothing left to read into)
+                    log.exception("data stream from %s: error while handling a record", self.addr)
+                    self.close(f"data stream from {self.addr}: internal error")
+                    return
 
     def _drop_rest(self) -> None:
         """The payload's owner is gone: read the rest of it into the scratch and drop it."""

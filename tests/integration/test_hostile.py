@@ -1289,6 +1289,52 @@ def test_a_stream_room_completes_byte_exact_rows_read_straight_and_batched(guard
     env.dc.release(r.room, group)
 
 
+def test_a_large_stream_batch_is_read_straight_into_every_entrys_rows(guard: Env) -> None:
+    """A data batch of 64 KiB or more on a stream (rows too small to fill a message alone, the
+    common MLA case) is read straight into the rows of every entry, scattered destination
+    included, with no stop in the stream's buffer; byte-exact."""
+    env = guard
+    fake, group, r = fake_room(env, channel="stream", n=128)
+    L = r.layout
+    before = env.dc.stats()["stream_bytes"]
+    kv = [(KV, b, 0, r.n) for b in L.indices("kv")]
+    assert sum(c * L.buffers[b].row_bytes for _, b, _, c in kv) >= 64 << 10  # the direct path's minimum
+    _batch(r, [(KV, kv[0][1], 0, 100), (KV, kv[0][1], 100, 28)])  # entries of one buffer
+    _batch(r, [(KV, b, 0, 64) for _, b, _, _ in kv[1:]] + [(KV, b, 64, 64) for _, b, _, _ in kv[1:]])
+    for _, b, _, _ in kv:
+        r.want[b][r.dst] = r.src[b]
+    entries = [(STATE, b, 0, 1) for b in L.indices("state")] + [(AUX, L.aux_index, 0, 1)]
+    _batch(r, entries)  # small: through the stream's buffer
+    for kind, b, _, _ in entries:
+        r.want[b][r.slots[L.buffers[b].component][0] if kind == STATE else r.aux] = r.src[b][0]
+    r.done()
+    assert r.wait().state is RoomState.SUCCESS
+    r.check_pool()
+    assert env.dc.stats()["stream_bytes"] - before == sum(a.nbytes for a in r.src.values())
+    env.dc.release(r.room, group)
+
+
+def test_a_bad_entry_in_a_large_stream_batch_fails_the_room_and_none_of_it_is_written(guard: Env) -> None:
+    """Every entry of a batch read straight into the rows is checked before a byte is read: a
+    duplicate in entry 2 fails the room, the whole payload is read past and dropped (entry 1
+    included), and the stream stays in step for the next room."""
+    env = guard
+    fake, group, r = fake_room(env, channel="stream", n=128)
+    kv0 = _kv0(r)
+    before, logs = env.refused(), env.log_lines("duplicate")
+    _batch(r, [(KV, kv0, 0, 64), (KV, kv0, 32, 16), (KV, kv0, 64, 64)])
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "duplicate", st
+    assert_refused_once(env, before, logs, "duplicate")
+    r.check_pool()  # nothing of the batch landed
+    env.dc.release(r.room, group)
+    r2 = open_room(env, fake, group, n=128)
+    r2.send_all()
+    assert r2.wait().state is RoomState.SUCCESS
+    r2.check_pool()
+    env.dc.release(r2.room, group)
+
+
 @pytest.mark.parametrize("hello, code", [(b"TDSTREAM" + bytes(16), "stream_key"),
                                          (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "stream_hello")])
 def test_a_stream_without_a_valid_hello_is_refused_and_closed(guard: Env, hello: bytes, code: str) -> None:

@@ -1,6 +1,7 @@
-"""transferd.stream.StreamReader on a real socket pair: a payload larger than one read lands byte
-for byte in the views its handler names, each read asking for at most RECV_CHUNK bytes (reads of
-a whole 1 MiB payload were 15-25 % slower on loopback: docs/PERFORMANCE.md item 15)."""
+"""transferd.stream.StreamReader on a real socket pair: a payload lands byte for byte in the views
+its handler names, each read asking for at most about RECV_CHUNK bytes (reads of a whole 1 MiB
+payload were 15-25 % slower on loopback: docs/PERFORMANCE.md item 15), and many small views (the
+rows of a batch) are filled several at a time by one scattering read."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ class CountingSocket:
         self.asked.append(len(view))
         return self.sock.recv_into(view)
 
+    def recvmsg_into(self, bufs: list[memoryview]) -> tuple[int, list[object], int, object]:
+        self.asked.append(sum(len(b) for b in bufs))
+        return self.sock.recvmsg_into(bufs)
+
     def close(self) -> None:
         self.sock.close()
 
@@ -49,15 +54,15 @@ class Handler:
         self.closed.append(reason)
 
 
-def test_a_large_payload_is_read_in_chunks_into_the_named_views() -> None:
-    payload = os.urandom(3 * RECV_CHUNK * 5 + 7)  # across both views, not a multiple of a read
-    split = len(payload) // 3 + 1
+def _receive(payload: bytes, cuts: list[int]) -> tuple[bytes, list[int], list[bytes]]:
+    """Send one record with ``payload`` and read it into views cut at ``cuts``."""
 
     async def main() -> tuple[bytes, list[int], list[bytes]]:
         a, b = socket.socketpair()
         a.setblocking(False)
         dst = bytearray(len(payload))
-        handler = Handler([memoryview(dst)[:split], memoryview(dst)[split:]])
+        edges = [0, *cuts, len(payload)]
+        handler = Handler([memoryview(dst)[x:y] for x, y in zip(edges, edges[1:])])
         counted = CountingSocket(a)
         reader = StreamReader(counted, "test", handler, max_payload=len(payload), scratch=memoryview(bytearray(64)))
         header = b"hdr"
@@ -70,8 +75,25 @@ def test_a_large_payload_is_read_in_chunks_into_the_named_views() -> None:
         b.close()
         return bytes(dst), counted.asked, handler.headers
 
-    got, asked, headers = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_large_payload_is_read_in_chunks_into_the_named_views() -> None:
+    payload = os.urandom(3 * RECV_CHUNK * 5 + 7)  # across both views, not a multiple of a read
+    got, asked, headers = _receive(payload, [len(payload) // 3 + 1])
     assert headers == [b"hdr"]
     assert got == payload
     assert max(asked) <= RECV_CHUNK
     assert asked.count(RECV_CHUNK) >= len(payload) // RECV_CHUNK // 2  # the payload went in full-size reads
+
+
+def test_small_views_are_filled_several_per_read() -> None:
+    sizes = [3000] * 200 + [RECV_CHUNK * 3 + 11] + [5] * 7 + [70000] * 3  # rows of a batch, odd sizes
+    payload = os.urandom(sum(sizes))
+    cuts = [sum(sizes[:i]) for i in range(1, len(sizes))]
+    got, asked, _ = _receive(payload, cuts)
+    assert got == payload
+    assert max(asked) <= RECV_CHUNK
+    # far fewer reads than views: 200 rows of 3000 bytes take ~10 reads of a chunk, not 200
+    payload_reads = len(asked) - 3  # the hello, the prefix and the header come first
+    assert payload_reads < len(sizes) // 3, (payload_reads, asked[:20])
