@@ -135,18 +135,26 @@ def block_of(name: str) -> str:
 
 
 def schedule(names: Sequence[str], repeats: int, target_repeats: int, seed: int = 20240) -> list[list[str]]:
-    """The measured rounds: each one the blocks in a new order, and each block's subjects in a
-    new order, one after another. The 1 MiB block (whose ratios the targets read) takes part in
-    ``target_repeats`` rounds, every other block in ``repeats``."""
+    """The measured rounds: ``repeats`` of them, each one the blocks in a new order and each
+    block's subjects in a new order, one after another. The 1 MiB block (whose ratios the targets
+    read) is measured ``target_repeats`` times, spread evenly over the rounds — twice in some of
+    them, at different places — so that a slow spell of the host lands on a few of its
+    measurements, not on a run of them at the end."""
     blocks: dict[str, list[str]] = {}
     for name in names:
         blocks.setdefault(block_of(name), []).append(name)
-    count = {b: target_repeats if b == "1MiB" else repeats for b in blocks}
+    rounds = max(repeats, 1 if target_repeats and "1MiB" in blocks else 0)
     order = random.Random(seed)
     out: list[list[str]] = []
-    for k in range(max(count.values(), default=0)):
-        todo = [b for b in blocks if k < count[b]]
+    for k in range(rounds):
+        todo = [b for b in blocks if b != "1MiB" and k < repeats]
         order.shuffle(todo)
+        if "1MiB" in blocks:
+            times = (k + 1) * target_repeats // rounds - k * target_repeats // rounds
+            gaps = len(todo) + 1  # before, between and after the other blocks: never twice in a row
+            at = sorted(order.sample(range(gaps), times) if times <= gaps else [gaps - 1] * times, reverse=True)
+            for gap in at:
+                todo.insert(gap, "1MiB")
         names_k: list[str] = []
         for b in todo:
             members = blocks[b][:]
@@ -1304,8 +1312,8 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
 
 def format_table(out: dict[str, Any]) -> str:
     h = out["host"]
-    rounds = f"{out['repeats']}" + (f" ({out['target_repeats']} at 1 MiB)" if out.get("target_repeats", out["repeats"])
-                                   != out["repeats"] else "")
+    rounds = f"{out['repeats']}" + (f" (the 1 MiB block {out['target_repeats']} times)"
+                                   if out.get("target_repeats", out["repeats"]) != out["repeats"] else "")
     lines = [f"transferd bench ({'quick' if out['quick'] else 'full'}): {rounds} interleaved rounds, "
              f"medians; {h['cpus']} CPUs, load {h.get('loadavg_before', [])} → {h['loadavg']}; "
              f"pyzmq {h['pyzmq']} / libzmq {h['libzmq']}; GB/s = 1e9 B/s", ""]

@@ -45,20 +45,33 @@ def test_both_sides_of_every_ratio_share_a_block() -> None:
         assert block_of(a) == block_of(b), (a, b)
 
 
-def test_a_block_is_measured_in_one_run_of_steps_each_round() -> None:
+def test_a_block_is_measured_in_one_run_of_steps_each_time() -> None:
     rounds = schedule(_names(), repeats=5, target_repeats=11)
-    assert len(rounds) == 11
+    assert len(rounds) == 5
+    members = {}
+    for n in _names():
+        members.setdefault(block_of(n), set()).add(n)
     for names in rounds:
-        blocks = [block_of(n) for n in names]
-        runs = [b for b, _ in itertools.groupby(blocks)]
-        assert len(runs) == len(set(runs)), f"a block split within a round: {runs}"
-        assert len(names) == len(set(names))
+        runs = [(b, [n for n in grp]) for b, grp in itertools.groupby(names, key=block_of)]
+        for b, run in runs:  # each time a block comes up, all of its subjects, once each
+            assert sorted(run) == sorted(members[b]), (b, run)
+        others = [b for b, _ in runs if b != "1MiB"]
+        assert len(others) == len(set(others)), f"a block split within a round: {others}"
+
+
+def test_the_1mib_block_is_spread_over_the_rounds() -> None:
+    rounds = schedule(_names(), repeats=5, target_repeats=11)
+    per_round = [sum(1 for b, _ in itertools.groupby(r, key=block_of) if b == "1MiB") for r in rounds]
+    assert per_round == [2, 2, 2, 2, 3]  # 11 over 5 rounds, never bunched at the end
+    # only the 1 MiB block measured (--only 'bulk/1MiB,...'): every round holds its share
+    only = schedule(["bulk/1MiB", "raw_zmq/1MiB"], repeats=5, target_repeats=11)
+    assert [len(r) // 2 for r in only] == [2, 2, 2, 2, 3]
 
 
 def test_rounds_per_block_and_a_new_order_each_round() -> None:
     names = _names()
     rounds = schedule(names, repeats=5, target_repeats=11)
-    counts = {n: sum(n in r for r in rounds) for n in names}
+    counts = {n: sum(r.count(n) for r in rounds) for n in names}
     for n, c in counts.items():
         assert c == (11 if block_of(n) == "1MiB" else 5), (n, c)
     first = rounds[0]
