@@ -115,7 +115,7 @@ class Phase:
                  repeats: int) -> None:
         self.name = name
         self.repeats = repeats
-        plan = Plan(repeats=repeats, bulk_room_bytes=0, bulk_rooms=0, dedup_rooms=0, small_latency_rooms=0,
+        plan = Plan(repeats=repeats, target_repeats=repeats, bulk_room_bytes=0, bulk_rooms=0, dedup_rooms=0, small_latency_rooms=0,
                     small_batch_rooms=0, small_verify_every=VERIFY_EVERY, room_timeout_s=120.0)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.b = _Bench(plan, quick=False, run_dir=run_dir, tag=tag, progress=False)

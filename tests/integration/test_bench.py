@@ -163,3 +163,25 @@ def test_only_measures_the_named_subjects_and_nothing_else() -> None:
     assert out["limits"]["memcpy"]["64KiB"]["gbps"] > 0 and out["bulk"]["64KiB"]["gbps"] > 0
     assert out["limits"]["memcpy"]["1MiB"]["gbps"] is None and out["limits"]["raw_zmq_tcp"]["64KiB"]["gbps"] is None
     assert out["mismatched_bytes"] == 0 and out["rooms_failed"] == 0
+
+
+def test_the_scale_script_runs_small_and_every_room_is_byte_exact() -> None:
+    """``scripts/scale.py`` (the scale table of docs/PERFORMANCE.md) on a small grid: cp 1 and 2,
+    1 and 4 rooms in flight, two groups; every row has its figures, every room succeeded, every
+    verified byte matched."""
+    shm_before = set(Path("/dev/shm").glob("transferd-scale*"))
+    proc = subprocess.run([sys.executable, "scripts/scale.py", "--cps", "1,2", "--rooms", "1,4", "--pair-rooms", "4",
+                           "--repeats", "1", "--min-rooms", "16", "--json", "-"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    out = json.loads(proc.stdout)
+    assert out["rooms_failed"] == 0 and out["mismatched_bytes"] == 0 and out["verified_rooms"] > 0
+    assert out["daemon_exit_codes"] == {}
+    rows = {(r["cp_size"], r["groups"], r["rooms_in_flight"]) for r in out["rows"]}
+    assert rows == {(1, 1, 1), (1, 1, 4), (2, 1, 1), (2, 1, 4), (2, 2, 8)}, rows
+    for r in out["rows"]:
+        assert r["all_ok"] and r["rooms_ok"] == r["rooms"] > 0, r
+        assert _pos(r["gbps"]) and _pos(r["receiver_rssanon_mib_peak"]), r
+        cpu = r["receiver_cpu_s_per_gb"]  # /proc counts in 10 ms ticks: 0 for a pass this short
+        assert isinstance(cpu, (int, float)) and math.isfinite(cpu) and cpu >= 0, r
+    assert set(Path("/dev/shm").glob("transferd-scale*")) <= shm_before
