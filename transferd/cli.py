@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -145,6 +146,21 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str | None]:
     return cfg, path
 
 
+GC_THRESHOLDS = (20_000, 10, 10)  # Python's default is (700, 10, 10)
+
+
+def tune_gc() -> None:
+    """A daemon's cyclic garbage collector, tuned once it is set up: what exists now (modules,
+    configuration, the agent) is frozen out of every later collection, and the youngest
+    generation is collected after 20,000 allocations instead of 700, so most per-message objects
+    are freed by reference counting before a collection looks at them. py-spy had 18 % of a cp 8
+    sender's samples and 9 % of its receiver's in the collector; after this, 5-9 % less CPU per
+    byte on both sides (scripts/scale.py, cp 8). Daemons only: a library leaves its host
+    process's collector alone."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def run_agent(agent: AgentBase) -> int:
     """Run a daemon until SIGTERM/SIGINT, which drain it (a second signal stops it at once)."""
     from .malloc import keep_message_buffers_mapped
@@ -161,6 +177,7 @@ def run_agent(agent: AgentBase) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    tune_gc()
     try:
         loop.run_until_complete(agent.serve())
     finally:
