@@ -157,6 +157,7 @@ def tune_gc() -> None:
     sender's samples and 9 % of its receiver's in the collector; after this, 5-9 % less CPU per
     byte on both sides (scripts/scale.py, cp 8). Daemons only: a library leaves its host
     process's collector alone."""
+    gc.collect()  # what is already garbage (the argument parser, say) must not be frozen with the rest
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
 

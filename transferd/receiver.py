@@ -654,8 +654,8 @@ class Receiver(AgentBase):
         """A large payload (one data entry, or a batch of them) is read straight into its
         destination rows: every check first, the rows of every entry claimed in the tracker,
         then the bytes; if the room ends while they arrive, the rest is dropped (the stream
-        reader asks before each read). An entry refused fails the room, and the whole payload is
-        dropped; the entries after it are counted as the ZeroMQ path counts them."""
+        reader asks before each read). An entry refused (the room failed, or the entry dropped)
+        drops the whole payload; the entries after it are counted as the ZeroMQ path counts them."""
         assert self.pool is not None
         views: list[memoryview] = []
         room: DecodeRoom | None = None

@@ -251,7 +251,8 @@ class StreamReader:
         self._small = bytearray(max(HELLO_BYTES, PREFIX.size))
         self._state = "hello"
         self._views: list[memoryview] = [memoryview(self._small)[:HELLO_BYTES]]
-        self._got = 0
+        self._vi = 0  # the view being filled (an index: a record may have thousands of views)
+        self._got = 0  # bytes already in it
         self._target: Target | None = None
         self._paused: asyncio.TimerHandle | None = None
         self._hello_timer: asyncio.TimerHandle | None = self.loop.call_later(HELLO_TIMEOUT_S, self._hello_late)
@@ -288,15 +289,15 @@ class StreamReader:
             t = self._target
             if t is not None and t.alive is not None and not t.alive():
                 self._drop_rest()
-            views, got = self._views, self._got
-            view = views[0]
+            views, vi, got = self._views, self._vi, self._got
+            view = views[vi]
             left = len(view) - got
             try:
-                if left >= RECV_CHUNK or len(views) == 1:
+                if left >= RECV_CHUNK or vi + 1 == len(views):
                     n = recv_into(view[got:got + RECV_CHUNK])
                 else:  # small views left (rows of a batch): one read fills as many as a chunk holds
                     bufs, room = [view[got:]], RECV_CHUNK - left
-                    for v in views[1:MAX_SCATTER]:
+                    for v in views[vi + 1:vi + MAX_SCATTER]:
                         if room <= 0:
                             break
                         bufs.append(v[:room])
@@ -314,15 +315,13 @@ class StreamReader:
             if n < left:
                 self._got = got + n
                 continue
-            n -= left  # the first view is full; the rest of the read went into the next ones
-            del views[0]
-            while n:
-                if n < len(views[0]):
-                    break
-                n -= len(views[0])
-                del views[0]
-            self._got = n
-            if not views:
+            n -= left  # the view is full; the rest of the read went into the next ones
+            vi += 1
+            while n and n >= len(views[vi]):
+                n -= len(views[vi])
+                vi += 1
+            self._vi, self._got = vi, n
+            if vi == len(views):
                 try:
                     self._step()
                 except Exception:  # a bug: end this stream, not the loop (nothing left to read into)
@@ -332,9 +331,9 @@ class StreamReader:
 
     def _drop_rest(self) -> None:
         """The payload's owner is gone: read the rest of it into the scratch and drop it."""
-        left = len(self._views[0]) - self._got + sum(len(v) for v in self._views[1:])
-        self._got = 0
-        self._views = self._skip_views(left)
+        vi = self._vi
+        left = len(self._views[vi]) - self._got + sum(len(v) for v in self._views[vi + 1:])
+        self._expect(self._skip_views(left))
         assert self._target is not None
         self._target.done = self._target.alive = None
 
@@ -361,7 +360,7 @@ class StreamReader:
                 return
             self._state, self._plen = "header", plen
             self._header = bytearray(hlen)
-            self._views = [memoryview(self._header)]
+            self._expect([memoryview(self._header)])
         elif state == "header":
             target = self.handler.stream_record(self, bytes(self._header), self._plen)
             if self.closed:
@@ -372,7 +371,7 @@ class StreamReader:
                 self._expect_prefix()
                 return
             self._state, self._target = "payload", target
-            self._views = list(target.views) if target.views else self._skip_views(self._plen)
+            self._expect(list(target.views) if target.views else self._skip_views(self._plen))
             if not target.views:
                 target.done = target.alive = None
         else:  # payload
@@ -381,9 +380,13 @@ class StreamReader:
             if finished is not None and finished.done is not None:
                 finished.done()
 
+    def _expect(self, views: list[memoryview]) -> None:
+        """Read into these views next, from the first byte of the first."""
+        self._views, self._vi, self._got = views, 0, 0
+
     def _expect_prefix(self) -> None:
         self._state = "prefix"
-        self._views = [memoryview(self._small)[:PREFIX.size]]
+        self._expect([memoryview(self._small)[:PREFIX.size]])
 
     def close(self, reason: str = "") -> None:
         if self.closed:
@@ -396,7 +399,7 @@ class StreamReader:
             self.loop.remove_reader(self.sock.fileno())
         self._paused = None
         self.sock.close()
-        self._views = []
+        self._expect([])
         self._target = None
         self.handler.stream_closed(self, reason)
 

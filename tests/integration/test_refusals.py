@@ -145,6 +145,14 @@ def test_release_of_a_live_room_aborts_it_and_allows_reuse(cluster: Cluster) -> 
     assert st.state is RoomState.FAILED and st.code == "aborted"
     with pytest.raises(UnknownRoom):
         dc.poll(r.room, r.group)
+
+    def heard() -> bool:  # the engine never submitted: the sender knows the room from its assign only
+        try:
+            pcs[0].poll(r.room)
+            return True
+        except UnknownRoom:
+            return False
+    cluster.until(heard, "the sender to hear of the room (its assign, then the release)")
     assert pcs[0].wait(r.room, 10).state is RoomState.FAILED
 
 
