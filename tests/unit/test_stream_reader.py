@@ -1,14 +1,20 @@
 """transferd.stream.StreamReader on a real socket pair: a payload lands byte for byte in the views
 its handler names, each read asking for at most about RECV_CHUNK bytes (reads of a whole 1 MiB
-payload were 15-25 % slower on loopback: docs/PERFORMANCE.md item 15), and many small views (the
-rows of a batch) are filled several at a time by one scattering read."""
+payload were 15-25 % slower on loopback: docs/PERFORMANCE.md item 15), many small views (the
+rows of a batch) are filled several at a time by one scattering read, and, for any views, any
+splitting of the sender's writes and any point where a payload's owner goes away (hypothesis),
+nothing is written after that point and the stream stays in step."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import threading
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from transferd.stream import HELLO_MAGIC, KEY_BYTES, PREFIX, RECV_CHUNK, StreamReader, Target
 
@@ -97,3 +103,90 @@ def test_small_views_are_filled_several_per_read() -> None:
     # far fewer reads than views: 200 rows of 3000 bytes take ~10 reads of a chunk, not 200
     payload_reads = len(asked) - 3  # the hello, the prefix and the header come first
     assert payload_reads < len(sizes) // 3, (payload_reads, asked[:20])
+
+
+# -- property: any views, any chunking of the sender's writes, any abort point --------------------
+
+
+_SIZE = st.one_of(st.sampled_from([1, 7, RECV_CHUNK - 1, RECV_CHUNK, RECV_CHUNK + 1, 3 * RECV_CHUNK + 5]),
+                  st.integers(1, 200_000))
+_RECORD = st.tuples(st.lists(_SIZE, min_size=1, max_size=40).filter(lambda s: sum(s) <= 1 << 20),
+                    st.one_of(st.none(), st.integers(0, 20)))  # the views; after how many alive() calls it ends
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records=st.lists(_RECORD, min_size=1, max_size=4),
+       writes=st.lists(st.sampled_from([1, 5, 100, 4096, RECV_CHUNK, 300_000]), min_size=1, max_size=8)
+       .filter(lambda w: max(w) >= 4096),
+       budget=st.sampled_from([1, 3, 64]), scratch=st.sampled_from([64, 4096, 256 << 10]),
+       seed=st.integers(0, 2**32 - 1))
+def test_any_views_any_writes_any_abort_point(records: list[tuple[list[int], int | None]], writes: list[int],
+                                              budget: int, scratch: int, seed: int) -> None:
+    """Every payload lands byte for byte in its views, or, once its owner says it is gone
+    (``alive()`` False), nothing more of it is written and ``done`` never runs; either way the
+    next record is read in step and the stream ends at a record boundary."""
+    rng = random.Random(seed)
+    payloads = [rng.randbytes(sum(sizes)) for sizes, _ in records]
+    outcome: list[dict[str, object]] = []
+
+    async def main() -> str:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        ended = asyncio.get_running_loop().create_future()
+
+        class Many:
+            def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
+                return True
+
+            def stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
+                sizes, kill_after = records[len(outcome)]
+                dst = bytearray(payload_len)
+                edges = [0]
+                for size in sizes:
+                    edges.append(edges[-1] + size)
+                got: dict[str, object] = {"dst": dst, "calls": 0, "frozen": None, "done": False}
+                outcome.append(got)
+
+                def alive() -> bool:
+                    got["calls"] = int(got["calls"]) + 1  # type: ignore[call-overload]
+                    if kill_after is not None and int(got["calls"]) > kill_after:  # type: ignore[call-overload]
+                        got["frozen"] = bytes(dst)
+                        return False
+                    return True
+
+                def done() -> None:
+                    got["done"] = True
+                return Target([memoryview(dst)[x:y] for x, y in zip(edges, edges[1:])], done, alive)
+
+            def stream_closed(self, reader: StreamReader, reason: str) -> None:
+                if not ended.done():
+                    ended.set_result(reason)
+
+        StreamReader(a, "prop", Many(), max_payload=1 << 21, scratch=memoryview(bytearray(scratch)), budget=budget)
+        data = HELLO_MAGIC + b"k" * KEY_BYTES + b"".join(PREFIX.pack(1, len(p)) + b"h" + p for p in payloads)
+
+        def send() -> None:
+            o, i = 0, 0
+            while o < len(data):
+                n = writes[i % len(writes)] if o < 1 << 16 else max(writes)  # odd splits early, then fast
+                b.sendall(data[o:o + n])
+                o, i = o + n, i + 1
+            b.shutdown(socket.SHUT_WR)
+        writer = threading.Thread(target=send)
+        writer.start()
+        reason = await asyncio.wait_for(ended, 60)
+        await asyncio.to_thread(writer.join)
+        b.close()
+        return reason
+
+    reason = asyncio.run(main())
+    assert "mid-message" not in reason, reason  # in step to the end
+    assert len(outcome) == len(records)
+    for got, payload in zip(outcome, payloads):
+        dst = bytes(got["dst"])  # type: ignore[arg-type]
+        if got["frozen"] is None:
+            assert got["done"] and dst == payload
+        else:
+            assert not got["done"] and dst == got["frozen"]  # nothing written once it was gone
+            w = next((i for i, (x, y) in enumerate(zip(dst, payload)) if x != y), len(dst))
+            assert not any(dst[w:])  # what landed before is the payload's start, in view order
