@@ -955,9 +955,9 @@ class _Bench:
                                                           for key in SIZES},
                 # what 2 × Mooncake asks of any transport: its rate doubled, over the raw TCP limit
                 # measured in the same rounds (> 1: beyond a plain socket on this host)
-                "twice_mooncake_vs_raw_tcp_by_size": {key: _r(_median([2 * m["gbps"] / t["gbps"] for m, t in zip(
-                    self.results.get(f"mooncake/{key}", []), self.results.get(f"raw_tcp/{key}", []))
-                    if m.get("gbps") and t.get("gbps")]), 3) for key in SIZES},
+                "twice_mooncake_vs_raw_tcp_by_size": {key: _r(2 * r, 3) if (r := paired(f"mooncake/{key}",
+                                                                                       f"raw_tcp/{key}")) else None
+                                                      for key in SIZES},
                 "mooncake_tcp_mismatched_bytes": self.mooncake.mismatched}
 
     def dump_logs(self) -> None:
@@ -1285,14 +1285,10 @@ def raw_zmq_sender_main(argv: list[str]) -> int:
                 return 0
             size, count, how = int(cmd[0]), int(cmd[1]), cmd[2]
             ring = src.size // size
-            if how == "tcp":
-                for i in range(count):
-                    o = (i % ring) * size
-                    tcp.sendall(view[o:o + size])
-            else:
-                for i in range(count):
-                    o = (i % ring) * size
-                    push.send(src[o:o + size].data, copy=False)
+            send = tcp.sendall if how == "tcp" else partial(push.send, copy=False)
+            for i in range(count):
+                o = (i % ring) * size
+                send(view[o:o + size])
             ctrl.send(b"sent")
     finally:
         tcp.close()

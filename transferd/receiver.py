@@ -396,16 +396,14 @@ class Receiver(AgentBase):
             return
         src_pool = self._same_host_pool(msg)
         if known is not None:  # a higher epoch: the sender gave this receiver up and came back
-            self._stream_keys.pop(known.stream_key, None)
-            known.close()
+            self._close_peer(known)
             reason = f"prefill {msg.group} rank {msg.rank} lost its connection to this receiver and registered again"
             log.warning("%s: %s", self.name, reason)
             self._fail_rooms_assigned_to(msg.group, msg.rank, ident, "peer_lost", reason)
         if old_ident is not None and old_ident != ident:
             old = self.peers.pop(old_ident, None)
             if old is not None:
-                self._stream_keys.pop(old.stream_key, None)
-                old.close()
+                self._close_peer(old)
             reason = (f"prefill {msg.group} rank {msg.rank} restarted (incarnation "
                       f"{old.incarnation if old else '?'} -> {msg.incarnation})")
             log.warning("%s: %s", self.name, reason)
@@ -415,9 +413,6 @@ class Receiver(AgentBase):
                                         msg.epoch, checksum, src_pool)
         port = 0
         if msg.stream and self.streams is not None and src_pool is None:
-            if len(self._stream_keys) > 4096:  # keys offered and never used, of peers gone since
-                self._stream_keys = {k: i for k, i in self._stream_keys.items()
-                                     if i in self.peers and self.peers[i].stream_key == k}
             peer.stream_key, port = os.urandom(KEY_BYTES), self.streams.port
             self._stream_keys[peer.stream_key] = ident
         self._send(ident, Registered(True, "", self.rcfg.name, self.incarnation, shm=src_pool is not None,
@@ -427,6 +422,12 @@ class Receiver(AgentBase):
                  f"same-host path via pool {msg.pool}" if src_pool is not None else
                  f"data stream on port {port}" if port else "data over the socket")
         self._assign_waiting(group, msg.rank)
+
+    def _close_peer(self, peer: Peer) -> None:
+        """A registration ends: its stream key, if never used, goes with it (every peer that
+        leaves passes here, so no offered key outlives its peer), then its pool and stream."""
+        self._stream_keys.pop(peer.stream_key, None)
+        peer.close()
 
     def _assign_waiting(self, group: Group, rank: int) -> None:
         """Assign this rank every live room of the group it has no assignment for yet."""
@@ -820,8 +821,7 @@ class Receiver(AgentBase):
         if heartbeat:
             self.acct.heartbeat_misses[f"{peer.group}/r{peer.rank}"] += 1
         self.peers.pop(peer.ident, None)
-        self._stream_keys.pop(peer.stream_key, None)
-        peer.close()
+        self._close_peer(peer)
         group = self.groups.get(peer.group)
         if group is not None and group.ranks.get(peer.rank) == peer.ident:
             del group.ranks[peer.rank]

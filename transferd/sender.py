@@ -282,15 +282,13 @@ class SenderAgent(AgentBase):
             if again:
                 return  # the answer to a repeated register: the connection, its path and stream go on
             conn.shm = msg.shm
+            self._drop_stream(conn)
             host = stream_host(conn.endpoint)
             if msg.stream_port and host is not None and not msg.shm and self.scfg.data_stream == "auto":
-                self._drop_stream(conn)
                 writer = conn.stream = StreamWriter(f"{self.name} → {conn.endpoint}", lambda why: None)
                 writer.on_lost = functools.partial(self._stream_lost, conn, writer)
                 self.spawn(self._connect_stream(conn, writer, host, msg.stream_port, msg.stream_key),
                            f"stream {conn.endpoint}")
-            else:
-                self._drop_stream(conn)
             log.info("%s: registered with receiver %s at %s (%s)", self.name, msg.receiver, conn.endpoint,
                      "same-host path: the receiver reads this pool" if msg.shm else
                      f"data stream to port {msg.stream_port}" if conn.stream else "data over the socket")

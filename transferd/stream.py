@@ -42,7 +42,7 @@ SOCK_BUFFER = 4 << 20
 # than whole-payload reads on loopback (32 KiB: the same, 16 KiB: slower; docs/PERFORMANCE.md item 15)
 RECV_CHUNK = 64 << 10
 MAX_SCATTER = 64  # views one read may fill (IOV_MAX is 1024)
-SCRATCH_BYTES = 256 << 10  # discarded bytes go through this; small payloads land here first
+SCRATCH_BYTES = 256 << 10  # payload bytes read only to be dropped go through this (one per server)
 
 
 def stream_host(endpoint: str) -> str | None:

@@ -97,10 +97,12 @@ class Fake:
         self.sock.connect(endpoint)
         self.inbox: list[dict[str, Any]] = []
         self.stream: socket.socket | None = None
+        self.offer: dict[str, Any] = {}  # the registered answer whose stream use_stream opened
 
     def use_stream(self, reply: dict[str, Any]) -> None:
         """From now on data, data-batch and done go on the data stream the receiver offered."""
         assert reply["stream_port"] and len(reply["stream_key"]) == 16, reply
+        self.offer = reply
         self.stream = stream_connect(reply["stream_port"], b"TDSTREAM" + reply["stream_key"])
 
     def send(self, *frames: bytes) -> None:
@@ -1352,12 +1354,9 @@ def test_a_stream_without_a_valid_hello_is_refused_and_closed(guard: Env, hello:
 
 def test_a_stream_key_serves_one_connection(guard: Env) -> None:
     env = guard
-    group = f"fake-{next(env.ids)}"
-    f = env.fake("sender")
-    reply = f.register(group, 0, 1, stream=True)
-    f.use_stream(reply)
+    f, group = fake_sender(env, channel="stream")
     before, logs = env.refused(), env.log_lines("stream_key")
-    again = stream_connect(reply["stream_port"], b"TDSTREAM" + reply["stream_key"])
+    again = stream_connect(f.offer["stream_port"], b"TDSTREAM" + f.offer["stream_key"])
     try:
         assert closed_by_peer(again)
     finally:
@@ -1459,10 +1458,7 @@ def test_a_done_past_the_stream_while_its_rows_arrive_fails_the_room(guard: Env)
 
 def test_a_repeated_register_keeps_the_stream(guard: Env) -> None:
     env = guard
-    group = f"fake-{next(env.ids)}"
-    f = env.fake("sender")
-    first = f.register(group, 0, 1, stream=True)
-    f.use_stream(first)
+    f, group = fake_sender(env, channel="stream")
     again = f.register(group, 0, 1, stream=True)  # same identity, same epoch: a duplicate
     assert again["ok"] is True and again["stream_port"] == 0 and again["stream_key"] == b"", again
     r = open_room(env, f, group)
