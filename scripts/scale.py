@@ -37,17 +37,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from transferd.bench import (KiB, MiB, Plan, _Bench, _Cluster, _cpu_seconds, _Filler, _Group,  # noqa: E402
-                             _guard, _host)
-from transferd.client import DecodeClient, PrefillClient  # noqa: E402
-from transferd.pool import Pool, shm_dir  # noqa: E402
+from transferd.client import DecodeClient, PrefillClient
+from transferd.pool import Pool, shm_dir
+from transferd.tools.bench import KiB, Plan, _Bench, _Cluster, _cpu_seconds, _Filler, _Group, _guard, _host
 
 SCALE_VERSION = 1
 ROW = "64KiB"  # transferd.bench's bulk model: 4 MLA KV buffers, rows of 64 KiB, aux row of 64 B
@@ -89,7 +89,7 @@ class _RssPeak:
             if self._stop.wait(self.interval_s):
                 return
 
-    def __enter__(self) -> "_RssPeak":
+    def __enter__(self) -> _RssPeak:
         self._thread.start()
         return self
 
@@ -230,7 +230,7 @@ class Phase:
         warm = self.one_pass(k, waves)
         with _RssPeak(self.rx_pid) as rss:
             runs = [self.one_pass(k, waves) for _ in range(self.repeats)]
-        all_runs = [warm] + runs
+        all_runs = [warm, *runs]
         return {
             "cp_size": self.groups[0].cp, "groups": len(self.groups), "rooms_per_group": k,
             "rooms_in_flight": per_wave, "waves_per_pass": waves, "rooms_per_pass": waves * per_wave,

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
 import logging
 import os
 import signal
@@ -16,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from . import logs
-from .agent import AgentBase, new_event_loop
 from .config import Config, load
+from .daemon.run import run_agent
 from .errors import TransferdError
 
 log = logging.getLogger("transferd")
@@ -146,48 +144,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str | None]:
     return cfg, path
 
 
-GC_THRESHOLDS = (20_000, 10, 10)  # Python's default is (700, 10, 10)
-
-
-def tune_gc() -> None:
-    """A daemon's cyclic garbage collector, tuned once it is set up: what exists now (modules,
-    configuration, the agent) is frozen out of every later collection, and the youngest
-    generation is collected after 20,000 allocations instead of 700, so most per-message objects
-    are freed by reference counting before a collection looks at them. py-spy had 18 % of a cp 8
-    sender's samples and 9 % of its receiver's in the collector; after this, 5-9 % less CPU per
-    byte on both sides (scripts/scale.py, cp 8). Daemons only: a library leaves its host
-    process's collector alone."""
-    gc.collect()  # what is already garbage (the argument parser, say) must not be frozen with the rest
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
-
-
-def run_agent(agent: AgentBase) -> int:
-    """Run a daemon until SIGTERM/SIGINT, which drain it (a second signal stops it at once)."""
-    from .malloc import keep_message_buffers_mapped
-
-    keep_message_buffers_mapped()
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
-    drains: list[asyncio.Task[None]] = []
-
-    def on_signal(signum: int) -> None:
-        log.info("%s: %s received, draining (up to %.0fs)", agent.name, signal.Signals(signum).name,
-                 agent.drain_timeout_s)
-        drains.append(loop.create_task(agent.drain()))
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    tune_gc()
-    try:
-        loop.run_until_complete(agent.serve())
-    finally:
-        loop.close()
-    return 0
-
-
 def cmd_launch(cfg: Config, path: str | None) -> int:
-    from .launcher import Launcher
+    from .tools.launcher import Launcher
 
     launcher = Launcher(cfg, path, common_args=["--run-dir", cfg.run_dir],
                         sender_args=["--cp-size", str(cfg.sender.cp_size), "--split", cfg.sender.split,
@@ -222,11 +180,11 @@ def cmd_launch(cfg: Config, path: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "config":
-        from .ops import config_check
+        from .tools.ops import config_check
 
         return config_check(args.files, args.json)
     if args.cmd == "keygen":
-        from .ops import keygen
+        from .tools.ops import keygen
 
         return keygen(args.directory, args.name or socket.gethostname().split(".")[0])
     try:
@@ -247,15 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "launch":
             return cmd_launch(cfg, path)
         if args.cmd == "status":
-            from .ops import status
+            from .tools.ops import status
 
             return status(cfg, args.sender, args.endpoint, args.json, args.watch, args.timeout)
         if args.cmd == "demo":
-            from .demo import run_demo
+            from .tools.demo import run_demo
 
             return run_demo(cfg, path, json_path=args.json, fault_specs=args.fault)
         if args.cmd == "bench":
-            from .bench import run_bench
+            from .tools.bench import run_bench
 
             return run_bench(cfg, path, quick=args.quick, json_path=args.json, plot_path=args.plot,
                              repeats=args.repeats, only=args.only)

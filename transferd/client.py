@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -22,7 +23,7 @@ from .protocol.room import RoomState, RoomStatus
 __all__ = ["DecodeClient", "PrefillClient", "RoomState", "RoomStatus"]
 
 
-Rows = Union[Sequence[int], np.ndarray]
+Rows = Sequence[int] | np.ndarray
 """Page or slot indices: a list, a range or a numpy integer array."""
 
 
@@ -83,13 +84,13 @@ class _Client:
         self.close()
 
     def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.call("ping", timeout_s)
+        return cast(dict[str, Any], self.call("ping", timeout_s))
 
     def stats(self) -> dict[str, Any]:
-        return self.call("stats")
+        return cast(dict[str, Any], self.call("stats"))
 
     def status(self) -> dict[str, Any]:
-        return self.call("status")
+        return cast(dict[str, Any], self.call("status"))
 
 
 class PrefillClient(_Client):

@@ -10,15 +10,14 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import ConfigError, LayoutError
 from .layout import ModelSpec, PoolLayout, StateComponent
-from .protocol.checksum import checksum_function
-from .protocol.engine import NAME_RE
-from .protocol.policy import SplitMode
+from .types import CHECKSUMS, NAME_RE, SplitMode
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -207,7 +206,8 @@ class Config:
         for what, name in (("sender.group", s.group), ("receiver.name", self.receiver.name)):
             if not NAME_RE.match(name):
                 raise ConfigError(f"{what} {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
-        checksum_function(s.checksum)
+        if s.checksum not in CHECKSUMS:
+            raise ConfigError(f"sender.checksum must be one of {', '.join(CHECKSUMS)}, not {s.checksum!r}")
         r, f = self.receiver, self.faults
         for what, mode in (("sender.same_host", s.same_host), ("receiver.same_host", r.same_host),
                            ("sender.data_stream", s.data_stream), ("receiver.data_stream", r.data_stream)):

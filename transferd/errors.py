@@ -44,8 +44,13 @@ class ProtocolError(TransferdError):
 
 
 class VersionMismatch(ProtocolError):
+    """The peer speaks another version of a wire (ZeroMQ messages, or the local engine API)."""
+
     code = "version"
-    msg_type: str = ""  # the message type whose version did not match
+
+    def __init__(self, message: str, msg_type: str = "") -> None:
+        super().__init__(message)
+        self.msg_type = msg_type  # the message type whose version did not match
 
 
 class DecodeError(ProtocolError):

@@ -18,8 +18,8 @@ import numpy as np
 from transferd.client import DecodeClient, PrefillClient
 from transferd.config import Config, load
 from transferd.errors import ClientTimeout
-from transferd.launcher import die_with_parent
 from transferd.pool import Pool
+from transferd.tools.launcher import die_with_parent
 
 POLL_S = 0.02  # between polls of a condition, always under a deadline (Cluster.until)
 

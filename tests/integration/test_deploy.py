@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,7 @@ def analyze_verify(unit: Path) -> tuple[int, str]:
     return proc.returncode, (proc.stdout + proc.stderr).strip()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _analyze_help(tool: str) -> str:
     return subprocess.run([tool, "--help"], capture_output=True, text=True, timeout=30).stdout
 

@@ -18,9 +18,10 @@ import socket
 import struct
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -31,7 +32,15 @@ from transferd.config import from_mapping
 from transferd.layout import PoolLayout, layout_difference
 from transferd.pool import Pool
 from transferd.protocol.messages import (
-    PROTOCOL_VERSION, Assign, Done, Fail, Ping, Pong, Register, Registered, Status,
+    PROTOCOL_VERSION,
+    Assign,
+    Done,
+    Fail,
+    Ping,
+    Pong,
+    Register,
+    Registered,
+    Status,
 )
 from transferd.protocol.room import RoomState
 
@@ -975,7 +984,7 @@ def fuzz_messages(g: np.random.Generator, count: int, toks: list[int], layout: P
                     b[int(g.integers(0, len(b)))] = int(g.integers(0, 256))
                 frames[0] = bytes(b[: int(g.integers(1, len(b) + 1))])
         if g.integers(0, 12) == 0:  # the wrong number of frames
-            frames = frames + [b"\0" * int(g.integers(0, 40))] if g.integers(0, 2) else frames[:1]
+            frames = [*frames, b"\x00" * int(g.integers(0, 40))] if g.integers(0, 2) else frames[:1]
         yield frames
 
 

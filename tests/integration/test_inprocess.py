@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from transferd.agent import AgentThread
 from transferd.client import DecodeClient, PrefillClient
 from transferd.config import from_mapping
+from transferd.daemon.base import AgentThread
 from transferd.protocol.room import RoomState
 from transferd.receiver import Receiver
 from transferd.sender import SenderAgent

@@ -10,7 +10,7 @@ from transferd.errors import BadRequest, IndexOutOfRange, RoomExists, UnknownRoo
 from transferd.protocol.room import RoomState
 
 from .harness import MODEL, Cluster, fill_random, write_guard
-from .rooms import expect, make_room, submit_all
+from .rooms import expect, make_room
 
 
 def test_incompatible_layout_is_refused_with_the_difference(cluster: Cluster) -> None:

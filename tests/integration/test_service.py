@@ -87,8 +87,9 @@ def test_status_command_shows_ranks_rooms_and_throughput(cluster: Cluster) -> No
     assert sock_path.stat().st_mode & 0o777 == 0o600 and sock_path.parent.stat().st_mode & 0o777 == 0o700
     cfg_r = cluster.tmp / "receiver-decode0.toml"
     cfg_s = cluster.tmp / "sender-prefill0-r1.toml"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "transferd", "status", *a], cwd=ROOT, env=_env(),
-                                    capture_output=True, text=True, timeout=30)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "transferd", "status", *a], cwd=ROOT, env=_env(),
+                                        capture_output=True, text=True, timeout=30)
     out = run("--config", str(cfg_r), "--json")
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest

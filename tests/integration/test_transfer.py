@@ -222,7 +222,7 @@ def test_batched_engine_calls(cluster: Cluster) -> None:
 def test_both_zero_copy_modes_are_byte_exact_over_tcp(cluster: Cluster, zero_copy: str) -> None:
     """sender.zero_copy: rows handed to libzmq with no reference kept, or pyzmq's frames; rooms
     big enough to fill the pipe (the sender waits at the high-water mark), then a clean stop."""
-    from transferd import zerocopy
+    from transferd.transport import zerocopy
 
     assert zerocopy.available(), "libzmq not reachable through ctypes: the direct path is not exercised"
     ep, dc, dpool = cluster.receiver(kv_pages=512)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from transferd.bench import BULK_KEYS, DEDUP_CPS, SIZES, SMALL_CPS, block_of, schedule
+from transferd.tools.bench import BULK_KEYS, DEDUP_CPS, SIZES, SMALL_CPS, block_of, schedule
 
 
 def _names() -> list[str]:

@@ -11,7 +11,7 @@ import transferd
 from transferd.config import Config, from_mapping, load, parse_size
 from transferd.errors import ConfigError, TransferdError
 from transferd.layout import StateComponent
-from transferd.protocol.policy import SplitMode
+from transferd.types import SplitMode
 
 REPO_ROOT = Path(transferd.__file__).resolve().parent.parent
 

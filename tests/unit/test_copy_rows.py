@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transferd.receiver import copy_rows
+from transferd.pool.rows import copy_rows
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,4 +1,4 @@
-"""A daemon serves with its cyclic garbage collector tuned (transferd.cli.tune_gc): what existed at
+"""A daemon serves with its cyclic garbage collector tuned (transferd.daemon.run.tune_gc): what existed at
 start frozen out of collections, the youngest generation collected less often. Run in a child
 process, so this test's own interpreter keeps its collector as it was."""
 
@@ -16,8 +16,8 @@ ROOT = Path(transferd.__file__).resolve().parent.parent
 
 CHILD = textwrap.dedent("""
     import gc, json
-    from transferd.agent import AgentBase
-    from transferd.cli import GC_THRESHOLDS, run_agent
+    from transferd.daemon.base import AgentBase
+    from transferd.daemon.run import GC_THRESHOLDS, run_agent
 
     before = {"threshold": gc.get_threshold(), "frozen": gc.get_freeze_count()}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -96,7 +97,7 @@ def test_contiguous_slices_partition_the_range(n: int, cp_size: int) -> None:
     # contiguous and disjoint: each starts where the previous ended; together they cover [0, n)
     assert slices[0][0] == 0
     assert slices[-1][1] == n
-    for (_, end), (start, _) in zip(slices, slices[1:]):
+    for (_, end), (start, _) in itertools.pairwise(slices):
         assert start == end
     sizes = [b - a for a, b in slices]
     assert all(s >= 0 for s in sizes)
@@ -109,10 +110,10 @@ def test_contiguous_slices_partition_the_range(n: int, cp_size: int) -> None:
 @pytest.mark.parametrize(
     ("n", "cp_size", "rank", "exc"),
     [
-        (10, 0, 0, ConfigError),
-        (10, -1, 0, ConfigError),
-        (10, 3, 3, ConfigError),
-        (10, 3, -1, ConfigError),
+        (10, 0, 0, BadRequest),
+        (10, -1, 0, BadRequest),
+        (10, 3, 3, BadRequest),
+        (10, 3, -1, BadRequest),
         (-1, 3, 0, BadRequest),
     ],
 )
@@ -174,7 +175,7 @@ def test_chunks_partition_each_ranks_slice(n: int, cp_size: int, cuts: list[int]
     bounds = sorted({0, n, *(c for c in cuts if c <= n)})
     for plan in group_plans(LAYOUT, cp_size, PAGES, n, prefix):
         got: list[int] = []
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             lo, hi = plan.chunk_range(a, b)
             assert lo <= hi
             assert a <= lo or lo == hi
@@ -297,7 +298,7 @@ def test_prefix_outside_room_is_bad_request(split: SplitMode, n: int, prefix: in
 @pytest.mark.parametrize("split", [PAGES, LAYERS])
 @pytest.mark.parametrize(("cp_size", "rank"), [(8, 8), (8, -1), (0, 0), (-2, 0)])
 def test_bad_rank_or_cp_size(split: SplitMode, cp_size: int, rank: int) -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(BadRequest):
         rank_plan(LAYOUT, cp_size, rank, split, 10)
 
 

@@ -1,4 +1,4 @@
-"""transferd.pool: named shared-memory pools, their header, and numpy/torch views.
+"""transferd.pool.shm: named shared-memory pools, their header, and numpy/torch views.
 
 Every test points TRANSFERD_SHM_DIR at its own tmp_path, so nothing touches /dev/shm.
 """
@@ -10,9 +10,9 @@ import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterator
 
 import msgpack
 import numpy as np
@@ -21,7 +21,7 @@ import pytest
 import transferd
 from transferd.errors import IndexOutOfRange, LayoutError, PoolError
 from transferd.layout import ModelSpec, PoolLayout, StateComponent
-from transferd.pool import ALIGN, HEADER_FORMAT, MAGIC, Pool, _HDR, pool_path, shm_dir
+from transferd.pool.shm import _HDR, ALIGN, HEADER_FORMAT, MAGIC, Pool, pool_path, shm_dir
 
 REPO_ROOT = Path(transferd.__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""transferd.stream.StreamReader on a real socket pair: a payload lands byte for byte in the views
+"""transferd.transport.data_stream.StreamReader on a real socket pair: a payload lands byte for byte in the views
 its handler names, each read asking for at most about RECV_CHUNK bytes (reads of a whole 1 MiB
 payload were 15-25 % slower on loopback: docs/PERFORMANCE.md item 15), many small views (the
 rows of a batch) are filled several at a time by one scattering read, and, for any views, any
@@ -8,6 +8,7 @@ nothing is written after that point and the stream stays in step."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import socket
@@ -16,7 +17,8 @@ import threading
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transferd.stream import HELLO_MAGIC, KEY_BYTES, PREFIX, RECV_CHUNK, StreamReader, Target
+from transferd.protocol.stream import HELLO_MAGIC, KEY_BYTES, PREFIX
+from transferd.transport.data_stream import RECV_CHUNK, StreamReader, Target
 
 
 class CountingSocket:
@@ -68,7 +70,7 @@ def _receive(payload: bytes, cuts: list[int]) -> tuple[bytes, list[int], list[by
         a.setblocking(False)
         dst = bytearray(len(payload))
         edges = [0, *cuts, len(payload)]
-        handler = Handler([memoryview(dst)[x:y] for x, y in zip(edges, edges[1:])])
+        handler = Handler([memoryview(dst)[x:y] for x, y in itertools.pairwise(edges)])
         counted = CountingSocket(a)
         reader = StreamReader(counted, "test", handler, max_payload=len(payload), scratch=memoryview(bytearray(64)))
         header = b"hdr"
@@ -156,7 +158,7 @@ def test_any_views_any_writes_any_abort_point(records: list[tuple[list[int], int
 
                 def done() -> None:
                     got["done"] = True
-                return Target([memoryview(dst)[x:y] for x, y in zip(edges, edges[1:])], done, alive)
+                return Target([memoryview(dst)[x:y] for x, y in itertools.pairwise(edges)], done, alive)
 
             def stream_closed(self, reader: StreamReader, reason: str) -> None:
                 if not ended.done():

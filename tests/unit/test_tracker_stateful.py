@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from transferd.layout import ModelSpec, PoolLayout, StateComponent
-from transferd.protocol.policy import SplitMode
 from transferd.protocol.room import CoverageTracker, Refused, RoomRequest
+from transferd.types import SplitMode
 
 KV, STATE, AUX = 0, 1, 2
 

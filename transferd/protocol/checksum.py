@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..errors import ConfigError
+import xxhash
 
-ALGORITHMS = ("none", "xxh3", "crc32")
+from ..errors import ProtocolError, TransferdError
+from ..types import CHECKSUMS
 
 
-def checksum_function(name: str) -> Callable[[Any], int] | None:
-    """The function for ``name`` (``None`` for ``"none"``); xxh3 needs the xxhash package."""
+def checksum_function(name: str, error: type[TransferdError] = ProtocolError) -> Callable[[Any], int] | None:
+    """The function for ``name`` (``None`` for ``"none"``); ``error`` names the valid ones for
+    any other name (a protocol error: the name comes from a peer's ``register``)."""
     if name == "none":
         return None
     if name == "crc32":
         return zlib.crc32
     if name == "xxh3":
-        try:
-            import xxhash
-        except ImportError:
-            raise ConfigError("checksum 'xxh3' needs the xxhash package (pip install xxhash)") from None
         return xxhash.xxh3_64_intdigest
-    raise ConfigError(f"checksum must be one of {', '.join(ALGORITHMS)}, not {name!r}")
+    raise error(f"checksum must be one of {', '.join(CHECKSUMS)}, not {name!r}")

@@ -9,7 +9,7 @@ Nothing here does I/O; ``docs/PROTOCOL.md`` describes the same format in prose.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -51,7 +51,7 @@ def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...], what: str) -
 
 
 def _int(d: dict[str, Any], key: str, what: str, lo: int = 0, hi: int = U64_MAX) -> int:
-    value = _req(d, key, int, what)
+    value: int = _req(d, key, int, what)
     if not lo <= value <= hi:
         raise DecodeError(f"{what}: field {key!r}={value} outside [{lo}, {hi}]")
     return value
@@ -363,8 +363,8 @@ class Pong:
         return cls(seq=_int(d, "seq", "pong"))
 
 
-Control = Union[Register, Registered, Assign, Done, Fail, Status, Ping, Pong]
-Message = Union[Control, Data, DataRef, DataRefs, DataBatch]
+Control = Register | Registered | Assign | Done | Fail | Status | Ping | Pong
+Message = Control | Data | DataRef | DataRefs | DataBatch
 
 CONTROL_TYPES: dict[str, Any] = {
     c.T: c for c in (Register, Registered, Assign, Done, Fail, Status, Ping, Pong)
@@ -437,8 +437,6 @@ def decode_header(frame: bytes | memoryview) -> Message:
         raise DecodeError(f"unknown message type {t!r}")
     v = obj.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
-        mismatch = VersionMismatch(f"{t}: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}")
-        mismatch.msg_type = str(t)
-        raise mismatch
+        raise VersionMismatch(f"{t}: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}", str(t))
     msg: Message = cls.parse(obj)
     return msg

@@ -20,34 +20,19 @@ and each state component's layers separately).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
-from ..errors import BadRequest, ConfigError
+from ..errors import BadRequest
 from ..layout import PoolLayout
-
-
-class SplitMode(str, Enum):
-    PAGES = "pages"
-    LAYERS = "layers"
-    RANK0 = "rank0"
-
-    @classmethod
-    def parse(cls, value: str | SplitMode) -> SplitMode:
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(
-                f"split mode must be one of {', '.join(m.value for m in cls)}, not {value!r}"
-            ) from None
+from ..types import SplitMode
 
 
 def contiguous_slice(n: int, cp_size: int, rank: int) -> tuple[int, int]:
     """The ``[start, end)`` share of ``n`` items for ``rank``: the first ``n % cp_size`` ranks
     get one extra. ``n = 10, cp = 3`` gives ``[0:4], [4:7], [7:10]``."""
     if cp_size < 1:
-        raise ConfigError(f"cp_size must be >= 1, not {cp_size}")
+        raise BadRequest(f"cp_size must be >= 1, not {cp_size}")
     if not 0 <= rank < cp_size:
-        raise ConfigError(f"rank {rank} is outside cp_size {cp_size}")
+        raise BadRequest(f"rank {rank} is outside cp_size {cp_size}")
     if n < 0:
         raise BadRequest(f"item count must be >= 0, not {n}")
     base, extra = divmod(n, cp_size)

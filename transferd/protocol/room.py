@@ -6,6 +6,7 @@ forward, ``failed`` overrides anything that is not terminal, and a terminal stat
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -13,7 +14,8 @@ import numpy as np
 
 from ..errors import BadRequest
 from ..layout import KINDS, PoolLayout
-from .policy import RankPlan, SplitMode, group_plans
+from ..types import SplitMode
+from .policy import RankPlan, group_plans
 
 
 class RoomState(str, Enum):
@@ -137,7 +139,7 @@ def runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
         return [(0, n)] if n else []
     brk = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
     edges = [0, *brk.tolist(), n]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 class CoverageTracker:

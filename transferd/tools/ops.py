@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .client import DecodeClient, PrefillClient
-from .config import Config, load
-from .errors import ClientTimeout, TransferdError
+from ..client import DecodeClient, PrefillClient
+from ..config import Config, load
+from ..errors import ClientTimeout, TransferdError
 
 
 def config_check(paths: list[str], as_json: bool = False) -> int:
@@ -135,7 +135,7 @@ def render(st: dict[str, Any], rate: float) -> str:
         for r in st["receivers"]:
             heard = "-" if r["last_heard_s"] is None else f"{r['last_heard_s']:.1f}s ago"
             rows.append([r["receiver"] or "?", r["endpoint"], r["state"], heard, r["reason"]])
-        out += ["receivers:"] + _table(rows)
+        out += ["receivers:", *_table(rows)]
     rooms = ", ".join(f"{k} {v}" for k, v in sorted(st["rooms"].items())) or "none"
     out.append(f"rooms: {rooms}")
     b = s["bytes"]

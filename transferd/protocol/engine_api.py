@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ..errors import BadRequest
@@ -21,8 +20,6 @@ def nonempty_str(v: Any, what: str) -> str:
 
 
 ROW_LIMIT = 1 << 62
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-"""Group and receiver names: they travel in ZeroMQ identities and log lines."""
 
 
 def ints(v: Any, what: str) -> tuple[int, ...]:

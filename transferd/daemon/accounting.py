@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layout import KINDS
+from ..layout import KINDS
 
 
 @dataclass(slots=True)

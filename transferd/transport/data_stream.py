@@ -1,38 +1,23 @@
-"""The data stream: a plain TCP connection per sender and receiver that carries data messages
-past ZeroMQ, so that the receiver can read payload bytes straight into the destination rows.
-
-ZeroMQ stays the control channel (registration, assign, status, heartbeats). A receiver offers a
-stream in its ``registered`` answer (a port and a 16-byte key); the sender connects, sends the
-hello (``b"TDSTREAM"`` and the key), and from then on writes its data, data-batch and done
-messages to the stream as records::
-
-    u32 header length | u64 payload length | msgpack header | payload bytes
-
-The header is exactly the one the message has on ZeroMQ; the payload is the message's payload
-frames back to back. ``docs/PROTOCOL.md`` ("data stream") is the reference. Nothing here knows
-rooms: the receiver says, for each header, where its payload goes (:class:`Target`).
-"""
+"""The data stream's sockets: the sender's :class:`StreamWriter`, the receiver's
+:class:`StreamReader` and :class:`StreamServer`. The wire (hello, record prefix, limits) is
+:mod:`transferd.protocol.stream`; nothing here knows rooms: the receiver says, for each header,
+where its payload goes (:class:`Target`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
-import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
-from .errors import TransferdError
+from ..errors import TransferdError
+from ..protocol.stream import HELLO_BYTES, HELLO_TIMEOUT_S, PREFIX, hello, prefix_problem
 
 log = logging.getLogger(__name__)
 
-HELLO_MAGIC = b"TDSTREAM"
-KEY_BYTES = 16
-HELLO_BYTES = len(HELLO_MAGIC) + KEY_BYTES
-PREFIX = struct.Struct("<IQ")
-MAX_STREAM_HEADER = 1 << 20  # a data-batch of 1024 entries with checksums is ~30 KiB
-HELLO_TIMEOUT_S = 5.0  # a sender writes its hello right after connecting
 MAX_PENDING_HELLOS = 64  # connections without a hello yet; beyond it the oldest is closed
 ACCEPT_PAUSE_S = 0.1  # out of descriptors: stop accepting for this long
 IOV_CHUNK = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
@@ -116,7 +101,7 @@ class StreamWriter:
         self.sock = sock
         self.connected = True
         self.loop.add_reader(sock.fileno(), self._on_readable)
-        if not self.try_write([HELLO_MAGIC + key]):
+        if not self.try_write([hello(key)]):
             raise TransferdError(f"data stream to {host}:{port}: {self.error}")
         self.records = 0  # the hello is not one
 
@@ -354,9 +339,9 @@ class StreamReader:
             self._expect_prefix()
         elif state == "prefix":
             hlen, plen = PREFIX.unpack_from(self._small)
-            if not 1 <= hlen <= MAX_STREAM_HEADER or plen > self.max_payload:
-                self.close(f"data stream from {self.addr}: record with a {hlen}-byte header and a {plen}-byte "
-                           f"payload (limits {MAX_STREAM_HEADER} and {self.max_payload})")
+            problem = prefix_problem(hlen, plen, self.max_payload)
+            if problem:
+                self.close(f"data stream from {self.addr}: {problem}")
                 return
             self._state, self._plen = "header", plen
             self._header = bytearray(hlen)

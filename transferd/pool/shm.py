@@ -22,8 +22,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .errors import IndexOutOfRange, LayoutError, PoolError
-from .layout import DTYPES, PoolLayout, layout_difference
+from ..errors import IndexOutOfRange, LayoutError, PoolError
+from ..layout import DTYPES, PoolLayout, layout_difference
 
 MAGIC = b"TRDPOOL\0"
 HEADER_FORMAT = 1

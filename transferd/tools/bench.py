@@ -40,25 +40,28 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
 
-from .client import DecodeClient, PrefillClient
-from .config import Config, load
-from .errors import ClientTimeout, ConfigError, TransferdError
+from ..client import DecodeClient, PrefillClient
+from ..config import Config, load
+from ..daemon.malloc import keep_message_buffers_mapped
+from ..errors import ClientTimeout, ConfigError, TransferdError
+from ..layout import ModelSpec, PoolLayout
+from ..pool.shm import Pool, shm_dir
+from ..protocol.policy import group_plans
+from ..protocol.room import RoomState
+from ..transport.data_stream import RECV_CHUNK
+from ..types import SplitMode
 from .launcher import die_with_parent
-from .layout import ModelSpec, PoolLayout
-from .malloc import keep_message_buffers_mapped
-from .pool import Pool, shm_dir
-from .protocol.policy import SplitMode, group_plans
-from .protocol.room import RoomState
-from .stream import RECV_CHUNK
+from .progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +497,7 @@ class _Bench:
         self.ctrl.bind("tcp://127.0.0.1:*")
         self.tcp_listen = socket.create_server(("127.0.0.1", 0))
         self.tcp_listen.settimeout(60)
-        argv = [sys.executable, "-c", "import sys; from transferd.bench import raw_zmq_sender_main as m; "
+        argv = [sys.executable, "-c", "import sys; from transferd.tools.bench import raw_zmq_sender_main as m; "
                 "sys.exit(m(sys.argv[1:]))", self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT),
                 self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.lim_pool.name,
                 f"127.0.0.1:{self.tcp_listen.getsockname()[1]}"]
@@ -719,7 +722,7 @@ class _Bench:
         cpu1 = [_cpu_seconds(c.rx.proc.pid), _cpu_seconds(g.procs[0].proc.pid)]
         s1 = pc.stats()
         shm, stream = int(s1.get("shm_bytes", 0)) - shm0, int(s1.get("stream_bytes", 0)) - stream0
-        room0, src0, dst0 = rooms[0]
+        _room0, src0, dst0 = rooms[0]
         self._verify(c, g, dst0, [src0], {}, {}, 0, 0)
         self._release(c, [(g.name, room) for room, _, _ in rooms])
         nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
@@ -883,11 +886,9 @@ class _Bench:
         subjects = self.subjects()
         fns = dict(subjects)
         rounds = schedule([n for n, _ in subjects], self.plan.repeats, self.plan.target_repeats)
-        from tqdm import tqdm
-
         # a bar on a terminal only (the table and the JSON never mix with it)
-        bar = tqdm(total=len(subjects) + sum(map(len, rounds)), unit="step", desc="transferd bench",
-                   file=sys.stderr, leave=False, disable=not self.progress)
+        bar = progress_bar(enabled=self.progress, total=len(subjects) + sum(map(len, rounds)), unit="step",
+                           desc="transferd bench", file=sys.stderr, leave=False)
         try:
             # one discarded pass: page-table faults of every daemon's first touch of its pool, TCP
             # slow start and lazy imports belong to no round (the bench's own mappings are already warm)
@@ -1173,7 +1174,7 @@ class _Mooncake:
                                                                            os.environ.get("PYTHONPATH")]))}
         self.log = open(run_dir / "logs" / "mooncake-target.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from transferd.bench import mooncake_target_main as m; "
+            [sys.executable, "-c", "import sys; from transferd.tools.bench import mooncake_target_main as m; "
              "sys.exit(m(sys.argv[1:]))", pool.name], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, start_new_session=True, preexec_fn=die_with_parent)
         try:

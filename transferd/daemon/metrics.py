@@ -8,17 +8,18 @@ histogram is observed directly, once per room.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from .config import parse_hostport
-from .errors import ConfigError
+from ..config import parse_hostport
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .agent import AgentBase
+    from .base import AgentBase
 
 log = logging.getLogger(__name__)
 

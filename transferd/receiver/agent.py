@@ -15,33 +15,51 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import zmq
 
-from . import __version__
-from .accounting import Accounting
-from .agent import AgentBase
-from .config import Config
-from .errors import ConfigError, RoomExists, TransferdError, UnknownRoom, VersionMismatch
-from .layout import KINDS, PoolLayout, layout_difference
-from .pool import Pool, host_boot_id
-from .protocol.checksum import checksum_function
-from .protocol.engine import NAME_RE
-from .protocol.engine import ints as _ints
-from .protocol.engine import nonempty_str as _str
-from .protocol.engine import slot_map
-from .protocol.engine import u64 as _u64
-from .protocol.messages import (
-    PROTOCOL_VERSION, Assign, Data, DataBatch, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, Registered,
-    Status, decode_header, encode,
+from .. import __version__
+from ..config import Config
+from ..daemon.accounting import Accounting
+from ..daemon.base import AgentBase
+from ..errors import ConfigError, ProtocolError, RoomExists, TransferdError, UnknownRoom, VersionMismatch
+from ..layout import KINDS, PoolLayout, layout_difference
+from ..pool import Pool, host_boot_id
+from ..pool.rows import copy_rows
+from ..protocol.checksum import checksum_function
+from ..protocol.engine_api import ints as _ints
+from ..protocol.engine_api import nonempty_str as _str
+from ..protocol.engine_api import slot_map
+from ..protocol.engine_api import u64 as _u64
+from ..protocol.messages import (
+    PROTOCOL_VERSION,
+    Assign,
+    Data,
+    DataBatch,
+    DataRef,
+    DataRefs,
+    Done,
+    Fail,
+    Ping,
+    Pong,
+    Register,
+    Registered,
+    Status,
+    decode_header,
+    encode,
 )
-from .protocol.policy import RankPlan, SplitMode, group_plans
-from .protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance, runs
-from .stream import HELLO_MAGIC, KEY_BYTES, StreamReader, StreamServer, Target, stream_host
-from .transport import LocalApiServer, LoopSocket, configure, is_wildcard, load_keypair, watch_handshakes
+from ..protocol.policy import RankPlan, group_plans
+from ..protocol.room import CoverageTracker, Refused, RoomRequest, RoomState, RoomStatus, advance, runs
+from ..protocol.stream import KEY_BYTES, hello_key
+from ..transport.curve import is_wildcard, load_keypair, watch_handshakes
+from ..transport.data_stream import StreamReader, StreamServer, Target, stream_host
+from ..transport.local_api import LocalApiServer
+from ..transport.loop_socket import LoopSocket, configure
+from ..types import NAME_RE, SplitMode
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +123,6 @@ class DecodeRoom:
 def _settle_none(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> None:
-    """``dst[dst_rows] = src[src_rows]`` in one pass over the bytes: one block copy per run of
-    rows consecutive on both sides (a fancy-index assignment gathers into a temporary first)."""
-    for a, b in runs(src_rows, dst_rows):
-        d, s = int(dst_rows[a]), int(src_rows[a])
-        dst[d:d + b - a] = src[s:s + b - a]
 
 
 class Receiver(AgentBase):
@@ -340,7 +350,7 @@ class Receiver(AgentBase):
             self._send(ident, Registered(False, reason, self.rcfg.name, self.incarnation))
 
         try:
-            split = SplitMode.parse(msg.split)
+            split = SplitMode.parse(msg.split, ProtocolError)
             checksum = checksum_function(msg.checksum)
         except TransferdError as exc:
             refuse(str(exc), "bad_settings")
@@ -363,7 +373,7 @@ class Receiver(AgentBase):
         if diff:
             refuse(f"incompatible layout: {diff}", "layout")
             return
-        biggest = max(msg.max_message_bytes, max(b.row_bytes for b in theirs.buffers))
+        biggest = max(msg.max_message_bytes, *(b.row_bytes for b in theirs.buffers))
         if biggest > self.rcfg.max_frame_bytes:
             refuse(f"messages of up to {biggest} bytes exceed this receiver's max_frame_bytes "
                    f"{self.rcfg.max_frame_bytes}", "frame_limit")
@@ -576,10 +586,10 @@ class Receiver(AgentBase):
 
     # -- data streams (stream.py) --------------------------------------------------------
     def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
-        if not hello.startswith(HELLO_MAGIC):
+        key = hello_key(hello)
+        if key is None:
             self._refuse("stream_hello", f"data stream from {reader.addr} began {hello[:8]!r}, not a hello")
             return False
-        key = hello[len(HELLO_MAGIC):]
         ident = self._stream_keys.pop(key, None)
         peer = self.peers.get(ident) if ident is not None else None
         if peer is None or peer.stream_key != key or peer.stream is not None:

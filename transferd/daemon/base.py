@@ -7,11 +7,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 import zmq.asyncio
 
-from .errors import TransferdError
+from ..errors import TransferdError
 from .notify import sd_notify, watchdog_interval_s
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class AgentBase:
         async def run() -> T:
             out = fn(*args)
             if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
-                return await out
+                return cast(T, await out)
             return out
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)

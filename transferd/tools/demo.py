@@ -9,6 +9,7 @@ pool with what the policy says must have arrived — and checks that no other ro
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -24,13 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from .client import DecodeClient, PrefillClient
-from .config import Config, load
-from .errors import ClientTimeout, ConfigError, TransferdError, UnknownRoom
+from ..client import DecodeClient, PrefillClient
+from ..config import Config, load
+from ..errors import ClientTimeout, ConfigError, TransferdError, UnknownRoom
+from ..layout import KINDS
+from ..pool.shm import Pool
+from ..protocol.policy import group_plans
 from .launcher import Launcher
-from .layout import KINDS
-from .pool import Pool
-from .protocol.policy import group_plans
+from .progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +185,7 @@ def _make_room(i: int, cfg: Config, rng: np.random.Generator, dec: dict[str, _Al
     n_chunks = max(1, d.chunks)
     empty_last = bool(d.empty_last_every) and i % d.empty_last_every == 2 and n_chunks > 1
     cuts = np.linspace(0, n, (n_chunks - 1 if empty_last else n_chunks) + 1).astype(int).tolist()
-    chunks = list(zip(cuts[:-1], cuts[1:]))
+    chunks = list(itertools.pairwise(cuts))
     if empty_last:
         chunks.append((n, n))
     room_id = int(rng.integers(1, 2**63))
@@ -369,10 +371,8 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
     fault_batch = n_batches // 2 if process_faults else -1
     timers: list[threading.Timer] = []
     done = 0
-    from tqdm import tqdm
-
-    bar = tqdm(total=d.rooms, unit="room", desc="transferd demo", file=sys.stderr, leave=False,
-               disable=not sys.stderr.isatty())  # a bar on a terminal only
+    bar = progress_bar(enabled=sys.stderr.isatty(),  # a bar on a terminal only
+                       total=d.rooms, unit="room", desc="transferd demo", file=sys.stderr, leave=False)
     try:
         for bi in range(n_batches):
             batch = [_make_room(done + i, cfg, rng, dec, src, comps, spools)

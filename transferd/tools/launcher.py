@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, TypeVar
+from typing import TypeVar
 
-from .client import DecodeClient, PrefillClient
-from .config import Config
-from .errors import ClientTimeout, TransferdError
+from ..client import DecodeClient, PrefillClient
+from ..config import Config
+from ..errors import ClientTimeout, TransferdError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,7 +87,7 @@ class Launcher:
         self.children.append(rx)
         dc = DecodeClient(self.cfg.receiver_engine_socket(), timeout_s=1.0)
         try:
-            stats = self._await(lambda: dc.stats(), rx, deadline)
+            stats = self._await(dc.stats, rx, deadline)
         finally:
             dc.close()
         self.receiver_endpoint = stats["data_endpoint"]
@@ -94,14 +95,14 @@ class Launcher:
         rx.argv += ["--bind", self.receiver_endpoint]
         cp = self.cfg.sender.cp_size
         for rank in range(cp):
-            argv = self._base("sender") + ["--cp-rank", str(rank), "--receiver", self.receiver_endpoint]
+            argv = [*self._base("sender"), "--cp-rank", str(rank), "--receiver", self.receiver_endpoint]
             child = Child("sender", rank, argv)
             self._spawn(child)
             self.children.append(child)
         for child in self.children[1:]:
             pc = PrefillClient(self.cfg.sender_engine_socket(child.rank), timeout_s=1.0)
             try:
-                self._await(lambda: pc.ping(), child, deadline)
+                self._await(pc.ping, child, deadline)
             finally:
                 pc.close()
         self.wait_registered(deadline)
@@ -110,7 +111,7 @@ class Launcher:
         dc = DecodeClient(self.cfg.receiver_engine_socket(), timeout_s=1.0)
         try:
             while True:
-                st = self._await(lambda: dc.status(), self.children[0], deadline)
+                st = self._await(dc.status, self.children[0], deadline)
                 ranks = st["groups"].get(self.cfg.sender.group, {}).get("ranks", {})
                 if len(ranks) == self.cfg.sender.cp_size:
                     return

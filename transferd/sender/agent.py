@@ -16,30 +16,48 @@ import os
 import random
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import zmq
 
-from . import __version__
-from .accounting import Accounting
-from .agent import AgentBase
-from .config import Config
-from .errors import BadRequest, IndexOutOfRange, TransferdError, UnknownRoom
-from .layout import KINDS, PoolLayout, layout_difference
-from .pool import Pool, host_boot_id
-from .protocol.checksum import checksum_function
-from .protocol.engine import ints, slot_map, u64
-from .protocol.messages import (
-    MAX_BATCH_ENTRIES, PROTOCOL_VERSION, Assign, Data, DataBatch, DataRefs, Done, Fail, Ping, Pong, Register, Registered,
-    Status, decode_header, encode,
+from .. import __version__
+from ..config import Config
+from ..daemon.accounting import Accounting
+from ..daemon.base import AgentBase
+from ..errors import BadRequest, IndexOutOfRange, TransferdError, UnknownRoom
+from ..layout import KINDS, PoolLayout, layout_difference
+from ..pool import Pool, host_boot_id
+from ..protocol.checksum import checksum_function
+from ..protocol.engine_api import ints, slot_map, u64
+from ..protocol.messages import (
+    MAX_BATCH_ENTRIES,
+    PROTOCOL_VERSION,
+    Assign,
+    Data,
+    DataBatch,
+    DataRefs,
+    Done,
+    Fail,
+    Ping,
+    Pong,
+    Register,
+    Registered,
+    Status,
+    decode_header,
+    encode,
 )
-from .protocol.policy import RankPlan, SplitMode, rank_plan
-from .protocol.room import RoomState, RoomStatus, advance, runs
-from . import zerocopy
-from .stream import PREFIX, StreamWriter, stream_host
-from .transport import LocalApiServer, LoopSocket, configure, load_keypair, load_public_key, watch_handshakes
+from ..protocol.policy import RankPlan, rank_plan
+from ..protocol.room import RoomState, RoomStatus, advance, runs
+from ..protocol.stream import prefix
+from ..transport import zerocopy
+from ..transport.curve import load_keypair, load_public_key, watch_handshakes
+from ..transport.data_stream import StreamWriter, stream_host
+from ..transport.local_api import LocalApiServer
+from ..transport.loop_socket import LoopSocket, configure
+from ..types import SplitMode
 
 log = logging.getLogger(__name__)
 
@@ -512,7 +530,7 @@ class SenderAgent(AgentBase):
         while True:
             writer = conn.stream
             if writer is not None:  # the data stream: one record, payload straight out of the pool
-                if writer.try_write([PREFIX.pack(len(header), nbytes), header, *payload]):
+                if writer.try_write([prefix(len(header), nbytes), header, *payload]):
                     how = SENT_STREAM
                     break
                 try:

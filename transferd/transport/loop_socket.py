@@ -1,0 +1,156 @@
+"""ZeroMQ plumbing shared by the agents: socket options, ``ipc://`` endpoints, and :class:`LoopSocket`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+def ipc_path(endpoint: str) -> Path | None:
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+def prepare_ipc(endpoint: str) -> None:
+    """Create the directory of an ``ipc://`` endpoint, private to this user (0700)."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.exists():
+        path.unlink()  # a stale socket from a previous run; binding would otherwise fail or hijack
+
+
+def restrict_ipc(endpoint: str) -> None:
+    """Make an ``ipc://`` socket file readable and writable by its owner only (0600)."""
+    path = ipc_path(endpoint)
+    if path is not None and path.exists():
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+
+
+def configure(sock: zmq.Socket[Any], *, hwm: int = 0) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    if hwm:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+
+
+class LoopSocket:
+    """A ZeroMQ socket driven by the event loop straight from its file descriptor.
+
+    pyzmq's asyncio sockets make a Future per message, look the running loop up (a ``getpid()``
+    system call on Python 3.11) and touch the poller for every send: most of a sender's CPU at
+    1 MiB messages. Here the messages that arrived are drained in a loop and handed to
+    ``on_message`` (at most ``budget`` per loop iteration, so timers and the engine API keep
+    their turn); ``try_send`` sends at once and ``writable`` waits only while the high-water mark
+    holds a message back.
+
+    ZeroMQ's descriptor is edge-triggered and any operation on the socket may consume its signal:
+    after every send the socket's events are looked at again on the next loop iteration
+    (``kick``), and the reader never goes back to sleep before ``EVENTS`` says there is nothing
+    left to read.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[Any]], None], name: str, *,
+                 copy: bool = True, budget: int = 64) -> None:
+        self.sock = sock
+        self.on_message = on_message
+        self.name = name
+        self.copy = copy
+        self.budget = budget
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
+        self._writers: list[asyncio.Future[None]] = []
+        self._scheduled = False
+        self._paused: asyncio.TimerHandle | None = None
+        self.loop.add_reader(self._fd, self._on_ready)
+        self.kick()
+
+    def kick(self) -> None:
+        """Look at the socket's events again on the next loop iteration: after every operation on
+        the socket (this class's sends, and any made outside it)."""
+        if not self._scheduled and not self.closed:
+            self._scheduled = True
+            self.loop.call_soon(self._on_ready)
+
+    def _on_ready(self) -> None:
+        self._scheduled = False
+        sock = self.sock
+        n = 0
+        while not self.closed:
+            events = cast(int, sock.getsockopt(zmq.EVENTS))
+            if events & zmq.POLLOUT and self._writers:
+                writers, self._writers = self._writers, []
+                for w in writers:
+                    if not w.done():
+                        w.set_result(None)
+            if not events & zmq.POLLIN or self._paused is not None:
+                return
+            if n >= self.budget:
+                self.kick()  # more to read: after the other callbacks of this iteration
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=self.copy)
+            except zmq.Again:
+                return
+            n += 1
+            try:
+                self.on_message(frames)
+            except Exception:  # the handler's bug must not stop the socket for every peer
+                log.exception("%s: error while handling a message", self.name)
+
+    def pause(self, seconds: float) -> None:
+        """Read nothing for ``seconds`` (fault injection: a slow decode side)."""
+        if self._paused is None and not self.closed:
+            self._paused = self.loop.call_later(seconds, self._resume)
+
+    def _resume(self) -> None:
+        self._paused = None
+        self.kick()
+
+    def try_send(self, frames: list[Any], *, copy: bool = True) -> bool:
+        """Send at once; False (nothing sent) when the high-water mark holds the message back.
+        Other ZeroMQ errors (an unknown peer on a ROUTER) are raised."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            return True
+        except zmq.Again:
+            return False
+        finally:
+            self.kick()
+
+    async def writable(self) -> None:
+        """Wait until the socket may take a message again (or is closed)."""
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, f"{self.name}: socket closed")
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._writers.append(fut)
+        self.kick()
+        await fut
+
+    async def send(self, frames: list[Any], *, copy: bool = True) -> None:
+        """Send, waiting while the high-water mark holds the message back (backpressure)."""
+        while not self.try_send(frames, copy=copy):
+            await self.writable()
+
+    def close(self, linger: int = 0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._paused is not None:
+            self._paused.cancel()
+        self.loop.remove_reader(self._fd)
+        for w in self._writers:
+            if not w.done():
+                w.set_exception(zmq.ZMQError(zmq.ENOTSOCK, f"{self.name}: socket closed"))
+        self._writers.clear()
+        self.sock.close(linger=linger)
