@@ -21,7 +21,7 @@ runs one warm-up pass (discarded, but its rooms are checked too) and then ``--re
 figures are medians. In every wave room 0, every 16th room and the last room of each group are
 compared byte for byte with the rows their ranks sent (destination rows poisoned first).
 
-Built from ``transferd.bench``'s daemon and verification helpers; docs/PERFORMANCE.md, "Scale",
+Built from ``transferd.tools.bench``'s daemons and checks (``Fleet``); docs/PERFORMANCE.md, "Scale",
 describes the figures and a run.
 """
 
@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout wi
 
 import numpy as np
 
-from transferd.client import DecodeClient, PrefillClient
+from transferd.client import PrefillClient
 from transferd.pool import Pool, shm_dir
-from transferd.tools.bench import KiB, Plan, _Bench, _Cluster, _cpu_seconds, _Filler, _Group, _guard, _host
+from transferd.tools.bench import Cluster, Filler, Fleet, Group, KiB, cpu_seconds, host
+from transferd.tools.rooms import write_guard
 
 SCALE_VERSION = 1
 ROW = "64KiB"  # transferd.bench's bulk model: 4 MLA KV buffers, rows of 64 KiB, aux row of 64 B
@@ -115,35 +116,30 @@ class Phase:
                  repeats: int) -> None:
         self.name = name
         self.repeats = repeats
-        plan = Plan(repeats=repeats, target_repeats=repeats, bulk_room_bytes=0, bulk_rooms=0, dedup_rooms=0, small_latency_rooms=0,
-                    small_batch_rooms=0, small_verify_every=VERIFY_EVERY, room_timeout_s=120.0)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.b = _Bench(plan, quick=False, run_dir=run_dir, tag=tag, progress=False)
+        self.fleet = Fleet(run_dir, tag, room_timeout_s=120.0)
         self.spec = groups
         self.max_k = max_rooms_per_group
-        self.c: _Cluster | None = None
-        self.groups: list[_Group] = []
+        self.c: Cluster | None = None
+        self.groups: list[Group] = []
         self.passes = 0
 
-    # -- start-up (the steps of transferd.bench's _Bench.start, for one cluster) -------------------
+    # -- start-up (the steps of transferd.tools.bench's Bench.start, for one cluster) -------------
     def start(self) -> None:
-        b = self.b
+        b = self.fleet
         deadline = time.monotonic() + 180.0
         rx_pages = self.max_k * len(self.spec) * PAGES
         aux = self.max_k * len(self.spec)
-        c = b._cluster(self.name, b._write_bulk_config(ROW), (rx_pages, 0, aux), (SRC_PAGES, 0, self.max_k))
+        c = b.cluster(self.name, b.write_bulk_config(ROW), (rx_pages, 0, aux), (SRC_PAGES, 0, self.max_k))
         self.c = c
-        dc = DecodeClient(c.cfg.receiver_engine_socket(), timeout_s=2.0)
-        c.dc = dc
-        c.endpoint = b._until(lambda: dc.ping(0.5) and dc.stats()["data_endpoint"], f"{c.name} to answer", deadline)
+        b.answer(c, deadline)
+        dc = c.dc
+        assert dc is not None
         for gname, cp in self.spec.items():
-            self.groups.append(b._group(c, gname, cp, same_host=False))
+            self.groups.append(b.group(c, gname, cp, same_host=False))
         for g in self.groups:
             g.pcs = [PrefillClient(g.cfg.sender_engine_socket(r), timeout_s=2.0) for r in range(g.cp)]
-        for g in self.groups:
-            for rank, pc in enumerate(g.pcs):
-                b._until(lambda: pc.ping(0.5) and all(r["state"] == "registered" for r in pc.status()["receivers"]),
-                         f"sender {g.name} r{rank} to register", deadline)
+        b.registered(self.groups, deadline)
         c.dpool = Pool.attach(c.cfg.receiver_pool_name())
         for rows in c.dpool.rows:  # touched once, like a warm engine's pool
             rows[:] = 0
@@ -152,7 +148,7 @@ class Phase:
             g.pools = [Pool.attach(g.cfg.sender_pool_name(r)) for r in range(g.cp)]
             for r, pool in enumerate(g.pools):
                 for buf in pool.layout.indices("kv"):
-                    _Filler(5000 + 100 * gi + 10 * r + buf).rows(pool.rows[buf], range(pool.layout.kv_rows))
+                    Filler(5000 + 100 * gi + 10 * r + buf).rows(pool.rows[buf], range(pool.layout.kv_rows))
                 g.src_pages.append(rng.permutation(pool.layout.kv_rows))
         c.dst_perm = rng.permutation(c.layout.kv_rows)
         c.pages = PAGES
@@ -168,17 +164,17 @@ class Phase:
 
     # -- one pass -----------------------------------------------------------------------------
     def one_pass(self, k: int, waves: int) -> dict[str, Any]:
-        b, c = self.b, self.c
+        b, c = self.fleet, self.c
         assert c is not None and c.dc is not None
         dc = c.dc
         room_bytes = PAGES * c.layout.kv_page_bytes() + c.layout.aux_row_bytes
         tx_pids = [p.proc.pid for g in self.groups for p in g.procs]
         frames0 = int(dc.stats()["frames"])
-        cpu0 = _cpu_seconds(self.rx_pid)
-        tx0 = [_cpu_seconds(p) for p in tx_pids]
+        cpu0 = cpu_seconds(self.rx_pid)
+        tx0 = [cpu_seconds(p) for p in tx_pids]
         seconds, ok, total, verified0, mism0 = 0.0, 0, 0, b.verified_rooms, b.mismatched
         for w in range(waves):
-            rooms: list[tuple[int, _Group, int, np.ndarray, list[np.ndarray], int, int]] = []
+            rooms: list[tuple[int, Group, int, np.ndarray, list[np.ndarray], int, int]] = []
             base = (self.passes * waves + w) * k
             for j in range(k):  # expects alternate between groups, so the groups run side by side
                 for gi, g in enumerate(self.groups):
@@ -189,23 +185,23 @@ class Phase:
                     srcs = [g.src_pages[r][idx] for r in range(g.cp)]
                     rooms.append((room, g, j, dst, srcs, gi * k + j, j))
             for room, g, j, dst, srcs, aux_dst, aux_src in rooms:
-                _guard(g.pools[0], aux_src, room)
+                write_guard(g.pools[0], aux_src, room)
                 for r, pc in enumerate(g.pcs):
                     pc.submit(room, 0, srcs[r].tolist(), last=True, aux_slot=aux_src)
             check = [r for r in rooms if r[2] % VERIFY_EVERY == 0 or r[2] == k - 1]
             for room, g, j, dst, srcs, aux_dst, aux_src in check:
-                b._poison(c, dst, {}, aux_dst)
+                b.poison(c, dst, {}, aux_dst)
             t0 = time.perf_counter()
             for room, g, j, dst, srcs, aux_dst, aux_src in rooms:
                 dc.expect(room, g.name, dst.tolist(), aux_slot=aux_dst)
-            ok += b._wait_all(c, [(g.name, room) for room, g, *_ in rooms])
+            ok += b.wait_all(c, [(g.name, room) for room, g, *_ in rooms])
             seconds += time.perf_counter() - t0
             total += len(rooms)
             for room, g, j, dst, srcs, aux_dst, aux_src in check:
-                b._verify(c, g, dst, srcs, {}, {}, aux_dst, aux_src)
-            b._release(c, [(g.name, room) for room, g, *_ in rooms])
-        cpu1 = _cpu_seconds(self.rx_pid)
-        tx1 = [_cpu_seconds(p) for p in tx_pids]
+                b.verify(c, g, dst, srcs, {}, {}, aux_dst, aux_src)
+            b.release(c, [(g.name, room) for room, g, *_ in rooms])
+        cpu1 = cpu_seconds(self.rx_pid)
+        tx1 = [cpu_seconds(p) for p in tx_pids]
         frames = int(dc.stats()["frames"]) - frames0
         self.passes += 1
         gb = total * room_bytes / 1e9
@@ -252,8 +248,10 @@ class Phase:
         }
 
     def close(self) -> dict[str, int | None]:
-        self.b.close()
-        return {k: v for k, v in self.b.codes.items() if v not in (0, None)}
+        self.fleet.close_clients()
+        codes = self.fleet.stop()
+        self.fleet.remove_pools()
+        return {k: v for k, v in codes.items() if v not in (0, None)}
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -365,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             finally:
                 if bad:  # the daemons' last log lines
-                    ph.b.dump_logs()
+                    ph.fleet.dump_logs()
                 codes.update({f"{name}/{k}": v for k, v in ph.close().items()})
     except KeyboardInterrupt:
         print("scale: interrupted", file=sys.stderr)
@@ -374,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         for f in shm_dir().glob(f"transferd-{tag}-*"):
             f.unlink(missing_ok=True)
         shutil.rmtree(run_dir, ignore_errors=True)
-    host = _host()
-    host["loadavg_before"] = load_before
+    host_info = host()
+    host_info["loadavg_before"] = load_before
     out: dict[str, Any] = {
-        "scale_version": SCALE_VERSION, "quick": args.quick, "repeats": args.repeats, "host": host,
+        "scale_version": SCALE_VERSION, "quick": args.quick, "repeats": args.repeats, "host": host_info,
         "room": room_info, "min_rooms_per_pass": plan["min_rooms"], "verify_every": VERIFY_EVERY,
         "rows": rows,
         "rooms_ok": sum(r["rooms_ok"] for r in rows),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -19,7 +18,10 @@ from transferd.client import DecodeClient, PrefillClient
 from transferd.config import Config, load
 from transferd.errors import ClientTimeout
 from transferd.pool import Pool
-from transferd.tools.launcher import die_with_parent
+from transferd.tools import procs
+from transferd.tools.rooms import write_guard
+
+__all__ = ["MODEL", "POLL_S", "Cluster", "Proc", "dump_toml", "fill_random", "write_guard"]
 
 POLL_S = 0.02  # between polls of a condition, always under a deadline (Cluster.until)
 
@@ -65,9 +67,9 @@ def dump_toml(data: dict[str, Any]) -> str:
 
 
 @dataclass
-class Proc:
-    label: str
-    proc: subprocess.Popen[bytes]
+class Proc(procs.Proc):
+    """A daemon of the cluster: label, process, log file and its configuration."""
+
     log: Path
     cfg: Config
 
@@ -91,9 +93,8 @@ class Cluster:
     def _spawn(self, label: str, argv: list[str], cfg_path: Path) -> Proc:
         log = self.tmp / f"{label}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
-        with open(log, "ab") as out:
-            p = subprocess.Popen([sys.executable, "-m", "transferd", *argv, "--config", str(cfg_path)],
-                                 stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+        p = procs.popen([sys.executable, "-m", "transferd", *argv, "--config", str(cfg_path)], env=env, log_path=log,
+                        new_session=False)
         proc = Proc(label, p, log, load(cfg_path, env={}))
         self.procs.append(proc)
         return proc
@@ -189,23 +190,14 @@ class Cluster:
     def logs(self) -> str:
         return "\n".join(f"--- {p.label} ---\n{p.log.read_text(errors='replace')[-3000:]}" for p in self.procs)
 
-    def close(self) -> dict[str, int]:
+    def close(self) -> dict[str, int | None]:
         for c in self.clients:
             c.close()
         for p in self.pools:
             p.close()
         live = [p for p in self.procs if p not in self.killed]
-        for p in live:
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGCONT)
-                p.proc.send_signal(signal.SIGTERM)
-        codes = {}
-        for p in live:
-            try:
-                codes[p.label] = p.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                codes[p.label] = -9
+        # SIGCONT first (a test may have paused one); SIGKILL after 15 s: exit code -9, a loud failure
+        codes = procs.stop([(p.label, p.proc) for p in live], timeout_s=15.0, cont=True)
         for f in Path("/dev/shm").glob(f"transferd-{self.tag}-*"):
             f.unlink()
         return codes
@@ -222,7 +214,3 @@ def fill_random(pool: Pool, seed: int) -> None:
     g = np.random.default_rng(seed)
     for rows in pool.rows:
         rows[:] = g.integers(0, 256, rows.shape, dtype=np.uint8)
-
-
-def write_guard(pool: Pool, slot: int, room: int) -> None:
-    pool.rows[pool.layout.aux_index][slot, :8] = np.frombuffer(np.uint64(room).astype("<u8").tobytes(), np.uint8)

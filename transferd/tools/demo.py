@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,25 +31,18 @@ from ..config import Config, load
 from ..errors import ClientTimeout, ConfigError, TransferdError, UnknownRoom
 from ..layout import KINDS
 from ..pool.shm import Pool
-from ..protocol.policy import group_plans
+from .faults import FAULT_KINDS, Fault, parse_fault
 from .launcher import Launcher
 from .progress import progress_bar
+from .rooms import Room, mismatches, write_guard
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class DemoRoom:
-    room: int
-    n: int
-    prefix: int
-    dst: np.ndarray
-    src: list[np.ndarray]  # per rank
-    chunks: list[tuple[int, int]]
-    state_dst: dict[str, np.ndarray]
-    state_src: list[dict[str, np.ndarray]]
-    aux_dst: int
-    aux_src: list[int]
+class DemoRoom(Room):
+    """A room of the demo, with what the demo learns about it along the way."""
+
     prefix_before: list[np.ndarray] = field(default_factory=list)  # per KV buffer: the prefix rows as held
     status: str = ""
     code: str = ""
@@ -82,47 +76,8 @@ class Summary:
         return dict(self.__dict__)
 
 
-PROCESS_FAULTS = ("kill-sender", "restart-receiver", "pause-sender")
-DATA_FAULTS = ("drop-frames", "corrupt-frames", "slow-receiver")
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    arg: float
-
-    def __str__(self) -> str:
-        if self.kind == "restart-receiver":
-            return self.kind
-        return f"{self.kind}:{self.arg:g}"
-
-
-def parse_fault(spec: str, cp_size: int) -> Fault:
-    """``kill-sender:R``, ``restart-receiver``, ``pause-sender:R``, ``drop-frames:P``,
-    ``corrupt-frames:P``, ``slow-receiver:MS``."""
-    kind, _, arg = spec.partition(":")
-    if kind == "restart-receiver":
-        if arg:
-            raise ConfigError(f"fault {spec!r}: restart-receiver takes no argument")
-        return Fault(kind, 0)
-    if kind not in PROCESS_FAULTS + DATA_FAULTS:
-        raise ConfigError(f"unknown fault {spec!r}; known: kill-sender:R, restart-receiver, pause-sender:R, "
-                          "drop-frames:P, corrupt-frames:P, slow-receiver:MS")
-    try:
-        value = float(arg)
-    except ValueError:
-        raise ConfigError(f"fault {spec!r} needs a number after ':'") from None
-    if kind in ("kill-sender", "pause-sender") and (not value.is_integer() or not 0 <= value < cp_size):
-        raise ConfigError(f"fault {spec!r}: rank must be an integer in [0, {cp_size})")
-    if kind in ("drop-frames", "corrupt-frames") and not 0 < value <= 1:
-        raise ConfigError(f"fault {spec!r}: the fraction must lie in (0, 1]")
-    if kind == "slow-receiver" and value <= 0:
-        raise ConfigError(f"fault {spec!r}: milliseconds must be > 0")
-    return Fault(kind, value)
-
-
 def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
-              faults: list[Fault] = ()) -> dict[str, str]:  # type: ignore[assignment]
+              faults: Sequence[Fault] = ()) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
     env.update({
         "TRANSFERD_RUN_DIR": run_dir,
@@ -144,15 +99,13 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
             "TRANSFERD_RECEIVER_STALL_TIMEOUT_S": "5",
         })
     for f in faults:
-        if f.kind == "drop-frames":
-            env["TRANSFERD_FAULTS_DROP_FRAMES"] = str(f.arg)
-        elif f.kind == "corrupt-frames":
-            env["TRANSFERD_FAULTS_CORRUPT_FRAMES"] = str(f.arg)
+        setting = FAULT_KINDS[f.kind].setting
+        if setting:
+            env[setting] = str(f.arg)
+        if f.kind == "corrupt-frames":
             env["TRANSFERD_SENDER_SAME_HOST"] = "off"  # corruption happens on the wire: keep the data there
             if base.sender.checksum == "none":  # corruption must be caught: turn the integrity option on
                 env["TRANSFERD_SENDER_CHECKSUM"] = "xxh3"
-        elif f.kind == "slow-receiver":
-            env["TRANSFERD_FAULTS_SLOW_RECEIVER_MS"] = str(f.arg)
     return env
 
 
@@ -191,10 +144,9 @@ def _make_room(i: int, cfg: Config, rng: np.random.Generator, dec: dict[str, _Al
     room_id = int(rng.integers(1, 2**63))
     aux_src = [int(src[r]["aux"].take(1, "source aux slots")[0]) for r in range(cp)]
     for r in range(cp):  # the engine writes the room id guard into its aux row
-        aux = pools[r].rows[pools[r].layout.aux_index]
-        aux[aux_src[r], :8] = np.frombuffer(np.uint64(room_id).astype("<u8").tobytes(), dtype=np.uint8)
+        write_guard(pools[r], aux_src[r], room_id)
     return DemoRoom(
-        room=room_id, n=n, prefix=prefix, dst=dec["kv"].take(n, "decode pages"),
+        room=room_id, group=cfg.sender.group, n=n, prefix=prefix, dst=dec["kv"].take(n, "decode pages"),
         src=[src[r]["kv"].take(n, "source pages") for r in range(cp)], chunks=chunks,
         state_dst={c: dec[c].take(1, f"decode {c} slots") for c in comps},
         state_src=[{c: src[r][c].take(1, f"source {c} slots") for c in comps} for r in range(cp)],
@@ -203,29 +155,10 @@ def _make_room(i: int, cfg: Config, rng: np.random.Generator, dec: dict[str, _Al
 
 
 def _verify(room: DemoRoom, cfg: Config, dpool: Pool, spools: list[Pool]) -> int:
-    """Mismatched bytes of one successful room, against the policy's owner of every row."""
-    layout = dpool.layout
-    plans = group_plans(layout, cfg.sender.cp_size, cfg.split, room.n, room.prefix)
-    bad = 0
-    for p in plans:
-        r = p.rank
-        lo, hi = p.kv_range
-        for b in p.kv_buffers:
-            got = dpool.rows[b][room.dst[lo:hi]]
-            want = spools[r].rows[b][room.src[r][lo:hi]]
-            bad += int(np.count_nonzero(got != want))
-        for b in p.state_buffers:
-            comp = layout.buffers[b].component
-            got = dpool.rows[b][room.state_dst[comp]]
-            want = spools[r].rows[b][room.state_src[r][comp]]
-            bad += int(np.count_nonzero(got != want))
-        if p.aux:
-            a = layout.aux_index
-            bad += int(np.count_nonzero(dpool.rows[a][room.aux_dst] != spools[r].rows[a][room.aux_src[r]]))
-    # prefix positions are held by the decode side already: they must be untouched
-    for b, before in zip(layout.indices("kv"), room.prefix_before):
-        bad += int(np.count_nonzero(dpool.rows[b][room.dst[:room.prefix]] != before))
-    return bad
+    """Mismatched bytes of one successful room, against an owner of every row computed apart
+    from the policy (tools/rooms.py); the prefix rows must be as the decode side held them."""
+    held = dict(zip(dpool.layout.indices("kv"), room.prefix_before))
+    return mismatches(room, dpool, spools, cfg.split, held)
 
 
 def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
@@ -362,7 +295,7 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
            **{c: _Alloc(layout.rows_of("state", c), rng) for c in comps}}
     src = [{"kv": _Alloc(p.layout.kv_rows, rng), "aux": _Alloc(p.layout.buffers[p.layout.aux_index].rows, rng),
             **{c: _Alloc(p.layout.rows_of("state", c), rng) for c in comps}} for p in spools]
-    process_faults = [f for f in faults if f.kind in PROCESS_FAULTS]
+    process_faults = [f for f in faults if f.process]
     engines = _Engines(cfg, bool(faults))
     dc = engines.dc
     summary = Summary(cp_size=cp, split=cfg.split.value, faults=[str(f) for f in faults])

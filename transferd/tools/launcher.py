@@ -18,20 +18,12 @@ from typing import TypeVar
 from ..client import DecodeClient, PrefillClient
 from ..config import Config
 from ..errors import ClientTimeout, TransferdError
+from . import procs
+from .procs import die_with_parent
 
+__all__ = ["Child", "Launcher", "die_with_parent"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def die_with_parent() -> None:
-    """In a child before exec: SIGTERM it when the launching process dies (Linux PR_SET_PDEATHSIG),
-    so a killed launcher, demo or test run leaves no daemons behind."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 @dataclass
@@ -70,14 +62,11 @@ class Launcher:
         return argv + self.common + (self.sender_args if role == "sender" else [])
 
     def _spawn(self, child: Child) -> None:
-        out = None
+        path = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{child.label.replace(' ', '-')}.log", "ab")
-        child.proc = subprocess.Popen(child.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      start_new_session=True, preexec_fn=die_with_parent)
-        if out is not None:
-            out.close()
+            path = self.log_dir / f"{child.label.replace(' ', '-')}.log"
+        child.proc = procs.popen(child.argv, env=self.env, log_path=path)
         log.info("started %s (pid %d)", child.label, child.proc.pid)
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -170,25 +159,5 @@ class Launcher:
         """SIGTERM every child (senders first): each drains its rooms in flight; after ``drain_s``
         a second SIGTERM stops the rest at once (rooms left fail with "shutting down"); after
         ``timeout_s`` stragglers are killed. Returns the exit codes."""
-        live = [c for c in reversed(self.children) if c.proc is not None and c.proc.poll() is None]
-        for c in live:
-            assert c.proc is not None
-            c.proc.send_signal(signal.SIGTERM)
-        start = time.monotonic()
-        second = False
-        while any(c.proc is not None and c.proc.poll() is None for c in live):
-            elapsed = time.monotonic() - start
-            if elapsed > drain_s and not second:
-                second = True
-                for c in live:
-                    if c.proc is not None and c.proc.poll() is None:
-                        c.proc.send_signal(signal.SIGTERM)
-            if elapsed > timeout_s:
-                for c in live:
-                    if c.proc is not None and c.proc.poll() is None:
-                        log.error("%s did not stop within %.0fs; killing it", c.label, timeout_s)
-                        c.proc.kill()
-                        c.proc.wait()
-                break
-            time.sleep(0.02)
-        return {c.label: c.proc.returncode for c in reversed(self.children) if c.proc is not None}
+        return procs.stop([(c.label, c.proc) for c in reversed(self.children) if c.proc is not None],
+                          timeout_s=timeout_s, drain_s=drain_s)

@@ -1,0 +1,171 @@
+"""What the bench measures and in what order: the plan of a run, the sizes, the round schedule,
+and the small helpers every part shares (medians, CPU seconds of a process, distinct fill bytes)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ...errors import ConfigError
+
+BENCH_VERSION = 1
+KiB, MiB = 1 << 10, 1 << 20
+SIZES: dict[str, int] = {"64KiB": 64 * KiB, "256KiB": 256 * KiB, "1MiB": MiB}
+BULK_KEYS = ("64KiB", "256KiB", "1MiB", "64KiB_contig")
+DEDUP_CPS = (1, 2, 4, 8)
+SMALL_CPS = (1, 8)
+PRODUCTION_CUT_CP8 = 0.8497
+BULK_LAYERS = 4
+POISON = 0xA5
+# no Prometheus endpoints: their fixed ports would collide across the bench's ~40 processes
+NO_METRICS = {"TRANSFERD_RECEIVER_METRICS_BIND": "", "TRANSFERD_SENDER_METRICS_BIND": ""}
+TARGETS = {"tcp_vs_raw_zmq": 0.9, "same_host_vs_memcpy": 0.8, "small_cp1_p50_ms": 1.0,
+           "small_cp1_rooms_per_s": 2000.0, "vs_mooncake_tcp": 2.0}
+
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How much work one run does."""
+
+    repeats: int
+    target_repeats: int  # rounds of the 1 MiB block, whose ratios the targets read (cheap: ~0.5 s a round)
+    bulk_room_bytes: int  # KV bytes of one bulk room
+    bulk_rooms: int  # bulk rooms per measurement, all in flight; the limits move the same bytes
+    dedup_rooms: int  # typical rooms per de-dup measurement, in flight together (times are per room)
+    small_latency_rooms: int  # one after another
+    small_batch_rooms: int  # all in flight
+    small_verify_every: int
+    room_timeout_s: float = 60.0
+
+
+QUICK = Plan(repeats=5, target_repeats=11, bulk_room_bytes=16 * MiB, bulk_rooms=16, dedup_rooms=1, small_latency_rooms=40,
+             small_batch_rooms=128, small_verify_every=16)
+FULL = Plan(repeats=7, target_repeats=15, bulk_room_bytes=16 * MiB, bulk_rooms=32, dedup_rooms=1, small_latency_rooms=200,
+            small_batch_rooms=512, small_verify_every=32)
+
+
+def repo_root() -> Path:
+    """The source tree's root (``transferd/tools/bench/plan.py`` is three folders below it)."""
+    return Path(__file__).resolve().parents[3]
+
+
+def dedup_config_path() -> Path:
+    """``configs/deepseek-cp8.toml`` in the working directory, else beside the source tree."""
+    for p in (Path.cwd() / "configs" / "deepseek-cp8.toml", repo_root() / "configs" / "deepseek-cp8.toml"):
+        if p.is_file():
+            return p
+    raise ConfigError("configs/deepseek-cp8.toml not found (looked in the working directory and beside the "
+                      "transferd source tree)")
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+def median(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return float(statistics.median(vals)) if vals else None
+
+
+def rnd(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def block_of(name: str) -> str:
+    """The block a subject is measured in. Every ratio the bench prints compares subjects of one
+    block, and a block's subjects are measured one right after another in each round: a burst of
+    load from elsewhere on the host then falls on both sides of a ratio, not on one of them."""
+    kind, _, arg = name.partition("/")
+    if kind in ("dedup_on", "dedup_off"):
+        return "dedup"
+    if kind == "small":
+        return "small"
+    return "1MiB" if arg.endswith("_contig") else arg  # 64 KiB rows on contiguous pages: 1 MiB messages
+
+
+def schedule(names: Sequence[str], repeats: int, target_repeats: int, seed: int = 20240) -> list[list[str]]:
+    """The measured rounds: ``repeats`` of them, each one the blocks in a new order and each
+    block's subjects in a new order, one after another. The 1 MiB block (whose ratios the targets
+    read) is measured ``target_repeats`` times, spread evenly over the rounds — twice in some of
+    them, at different places — so that a slow spell of the host lands on a few of its
+    measurements, not on a run of them at the end."""
+    blocks: dict[str, list[str]] = {}
+    for name in names:
+        blocks.setdefault(block_of(name), []).append(name)
+    rounds = max(repeats, 1 if target_repeats and "1MiB" in blocks else 0)
+    order = random.Random(seed)
+    out: list[list[str]] = []
+    for k in range(rounds):
+        todo = [b for b in blocks if b != "1MiB" and k < repeats]
+        order.shuffle(todo)
+        if "1MiB" in blocks:
+            times = (k + 1) * target_repeats // rounds - k * target_repeats // rounds
+            gaps = len(todo) + 1  # before, between and after the other blocks: never twice in a row
+            at = sorted(order.sample(range(gaps), times) if times <= gaps else [gaps - 1] * times, reverse=True)
+            for gap in at:
+                todo.insert(gap, "1MiB")
+        names_k: list[str] = []
+        for b in todo:
+            members = blocks[b][:]
+            order.shuffle(members)
+            names_k.extend(members)
+        out.append(names_k)
+    return out
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process (Linux); None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Filler:
+    """Distinct pseudo-random bytes per row at memcpy speed: slices of one random block, each row
+    starting at a different offset; pools filled with different seeds never share a row."""
+
+    BLOCK = 4 * MiB
+
+    def __init__(self, seed: int) -> None:
+        self.block = np.random.default_rng(seed).integers(0, 256, self.BLOCK + MiB, dtype=np.uint8)
+        self.k = 0
+
+    def row(self, dst: np.ndarray) -> None:
+        n, off = dst.size, 0
+        while off < n:
+            k = min(n - off, self.BLOCK)
+            s = (self.k * 997) % MiB
+            self.k += 1
+            dst[off:off + k] = self.block[s:s + k]
+            off += k
+
+    def rows(self, buf: np.ndarray, idx: Any) -> None:
+        for i in np.asarray(idx, dtype=np.int64).reshape(-1).tolist():
+            self.row(buf[i])
+
+
+def met(v: float | None, target: float, at_least: bool) -> bool | None:
+    if v is None:
+        return None
+    return v >= target if at_least else v <= target
+
+
+
+def host() -> dict[str, Any]:
+    try:
+        load_avg = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load_avg = []
+    return {"cpus": os.cpu_count(), "loadavg": load_avg, "python": platform.python_version(),
+            "pyzmq": zmq.pyzmq_version(), "libzmq": zmq.zmq_version(), "numpy": np.__version__,
+            "machine": platform.machine(), "system": platform.system()}

@@ -1,0 +1,453 @@
+"""The bench's results: :func:`report` (the JSON, docs/PERFORMANCE.md describes every figure),
+:func:`format_table` (the table on the terminal) and :func:`plot` (matplotlib, optional)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .plan import (
+    BENCH_VERSION,
+    BULK_KEYS,
+    BULK_LAYERS,
+    DEDUP_CPS,
+    PRODUCTION_CUT_CP8,
+    SIZES,
+    SMALL_CPS,
+    TARGETS,
+    KiB,
+    MiB,
+    host,
+    median,
+    met,
+    rnd,
+)
+
+if TYPE_CHECKING:
+    from .subjects import Bench
+
+LIMITS_NOTE = ("memcpy: np.copyto from one shared-memory pool buffer into another, one thread, "
+               "message-sized pieces over a ring as large as a bulk run. raw_zmq_tcp: pyzmq "
+               "PUSH/PULL on tcp://127.0.0.1, separate messages (not multipart) sent zero-copy "
+               "(copy=False) out of a pool by another process; the receiver copies every frame "
+               "into a pool. raw_tcp: the same messages through one plain TCP connection on "
+               "127.0.0.1, sendall out of the pool, recv_into straight into the destination pool "
+               "(one kernel copy a side): what any TCP transport can reach on this host.")
+ZMQ_SOCKET_NOTE = ("the same rooms from a sender with data_stream = \"off\": data messages through the ZeroMQ "
+                   "socket (the path with CURVE, or with the stream off); the 1MiB figures above went on a "
+                   "data stream (stream_share = 1.0)")
+SAME_HOST_NOTE = ("the same rooms from a sender with same_host = \"auto\" into the same receiver: data-refs "
+                  "messages over ZeroMQ, the receiver copying rows out of the sender's pool; shm_share is "
+                  "the part of the bytes the sender counted as moved that way (1.0 = the path was used)")
+DEDUP_METHOD = ("the same room from two real groups of cp ranks into the same receiver: one with the "
+                "de-dup (sender.dedup = true, the default), one without (sender.dedup = false: every rank "
+                "ships the replicated state). Wire bytes from the senders' own counters; measured cut = "
+                "(off - on) / off; analytic cut = (cp-1)·S / (KV + cp·S + aux) from the layout. At cp 1 "
+                "there is nothing to de-duplicate: off is the on group.")
+
+
+class Figures:
+    """Every subject's per-round results: medians over rounds, and medians of per-round ratios."""
+
+    def __init__(self, results: dict[str, list[dict[str, Any]]]) -> None:
+        self.res = results
+
+    def med(self, name: str, key: str) -> float | None:
+        return median([r.get(key) for r in self.res.get(name, [])])
+
+    def paired(self, a: str, b: str, key_a: str = "gbps", key_b: str = "gbps") -> float | None:
+        xs = [x[key_a] / y[key_b] for x, y in zip(self.res.get(a, []), self.res.get(b, []))
+              if x.get(key_a) and y.get(key_b)]
+        return median(xs)
+
+    def rounds(self, name: str, key: str = "gbps", nd: int = 3) -> list[float | None]:
+        return [rnd(r[key], nd) for r in self.res.get(name, [])]
+
+
+def _msg_key(key: str) -> str:
+    """The message size a bulk key's rooms travel in: 64 KiB rows on contiguous pages coalesce."""
+    return "1MiB" if key.endswith("_contig") else key
+
+
+def _limits(f: Figures, b: Bench) -> dict[str, Any]:
+    limits: dict[str, Any] = {"memcpy": {}, "raw_zmq_tcp": {}, "raw_tcp": {}}
+    for key, size in SIZES.items():
+        for name, out in (("memcpy", "memcpy"), ("raw_zmq", "raw_zmq_tcp"), ("raw_tcp", "raw_tcp")):
+            limits[out][key] = {"message_bytes": size, "gbps": rnd(f.med(f"{name}/{key}", "gbps"), 3),
+                                "rounds": f.rounds(f"{name}/{key}")}
+            if name != "memcpy":
+                for side in ("receiver", "sender"):
+                    limits[out][key][f"{side}_cpu_s_per_gb"] = rnd(f.med(f"{name}/{key}", f"{side}_cpu_s_per_gb"), 3)
+    limits["bytes_per_measurement"] = b.plan.bulk_room_bytes * b.plan.bulk_rooms
+    limits["notes"] = LIMITS_NOTE
+    return limits
+
+
+def _bulk(f: Figures, b: Bench) -> dict[str, Any]:
+    bulk: dict[str, Any] = {}
+    for key in BULK_KEYS:
+        c = b.bulk[key.split("_")[0]]
+        row = SIZES[key.split("_")[0]]
+        msg_key = _msg_key(key)
+        name = f"bulk/{key}"
+        bulk[key] = {
+            "row_bytes": row, "message_bytes": MiB if key.endswith("_contig") else row,
+            "pages": "contiguous" if key.endswith("_contig") else "scattered",
+            "pages_per_room": c.pages, "kv_buffers": BULK_LAYERS,
+            "room_bytes": c.pages * c.layout.kv_page_bytes() + c.layout.aux_row_bytes,
+            "rooms_per_measurement": b.plan.bulk_rooms,
+            "gbps": rnd(f.med(name, "gbps"), 3),
+            "rounds": f.rounds(name),
+            "vs_raw_zmq": rnd(f.paired(name, f"raw_zmq/{msg_key}"), 3),
+            "vs_raw_tcp": rnd(f.paired(name, f"raw_tcp/{msg_key}"), 3),
+            "vs_memcpy": rnd(f.paired(name, f"memcpy/{msg_key}"), 3),
+            "receiver_cpu_s_per_gb": rnd(f.med(name, "receiver_cpu_s_per_gb"), 3),
+            "sender_cpu_s_per_gb": rnd(f.med(name, "sender_cpu_s_per_gb"), 3),
+            "shm_share": rnd(f.med(name, "shm_share"), 4),
+            "stream_share": rnd(f.med(name, "stream_share"), 4),
+        }
+    return bulk
+
+
+def _zmq_socket(f: Figures) -> dict[str, Any]:
+    name = "bulk_zmq/1MiB"
+    return {
+        "note": ZMQ_SOCKET_NOTE,
+        "gbps": rnd(f.med(name, "gbps"), 3), "rounds": f.rounds(name),
+        "vs_raw_zmq": rnd(f.paired(name, "raw_zmq/1MiB"), 3),
+        "stream_vs_zmq_socket": rnd(f.paired("bulk/1MiB", name), 3),
+        "receiver_cpu_s_per_gb": rnd(f.med(name, "receiver_cpu_s_per_gb"), 3),
+        "sender_cpu_s_per_gb": rnd(f.med(name, "sender_cpu_s_per_gb"), 3),
+        "stream_share": rnd(f.med(name, "stream_share"), 4),
+    }
+
+
+def _same_host(f: Figures, bulk: dict[str, Any]) -> dict[str, Any]:
+    """The same-host column; each bulk entry gets its two headline figures too."""
+    same_host: dict[str, Any] = {"available": True, "note": SAME_HOST_NOTE}
+    for key in BULK_KEYS:
+        name = f"bulk_shm/{key}"
+        same_host[key] = {
+            "gbps": rnd(f.med(name, "gbps"), 3), "rounds": f.rounds(name),
+            "vs_memcpy": rnd(f.paired(name, f"memcpy/{_msg_key(key)}"), 3),
+            "vs_tcp": rnd(f.paired(name, f"bulk/{key}"), 3),
+            "receiver_cpu_s_per_gb": rnd(f.med(name, "receiver_cpu_s_per_gb"), 3),
+            "sender_cpu_s_per_gb": rnd(f.med(name, "sender_cpu_s_per_gb"), 3),
+            "shm_share": rnd(f.med(name, "shm_share"), 4),
+        }
+        bulk[key]["same_host_gbps"] = same_host[key]["gbps"]
+        bulk[key]["same_host_vs_memcpy"] = same_host[key]["vs_memcpy"]
+    return same_host
+
+
+def _small(f: Figures, b: Bench) -> dict[str, Any]:
+    small: dict[str, Any] = {}
+    for cp in SMALL_CPS:
+        lat = np.asarray(b.latencies[cp]) * 1e3
+        small[f"cp{cp}"] = {
+            "cp_size": cp,
+            "p50_ms": rnd(float(np.percentile(lat, 50)), 3) if lat.size else None,
+            "p99_ms": rnd(float(np.percentile(lat, 99)), 3) if lat.size else None,
+            "latency_samples": int(lat.size),
+            "rooms_per_s": rnd(f.med(f"small/{cp}", "rooms_per_s"), 1),
+            "rooms_per_s_rounds": f.rounds(f"small/{cp}", "rooms_per_s", 1),
+            "rooms_in_flight": b.plan.small_batch_rooms,
+            "engine_rpc_rtt_us": rnd(f.med(f"small/{cp}", "rpc_rtt_us"), 1),
+        }
+    assert b.ds is not None
+    lay = b.ds.layout
+    small["room"] = {"pages": 1, "state": False, "aux": True, "config": "configs/deepseek-cp8.toml",
+                     "kv_bytes": lay.kv_page_bytes(), "messages_per_room_rank0": len(lay.indices("kv")) + 1}
+    return small
+
+
+def _dedup_cp(f: Figures, cp: int, kv: int, st: int, aux: int) -> dict[str, Any]:
+    on = f.res.get(f"dedup_on/{cp}", [])
+    wire = sum(r["wire"] for r in on)
+    skipped = sum(r["skipped"] for r in on)
+    rooms = sum(r["rooms"] for r in on)
+    t_on = f.med(f"dedup_on/{cp}", "seconds")
+    off_name = f"dedup_off/{cp}" if cp > 1 else f"dedup_on/{cp}"
+    t_off = f.med(off_name, "seconds")
+    off_runs = f.res.get(off_name, [])
+    off_wire = sum(r["wire"] for r in off_runs)
+    off_rooms = sum(r["rooms"] for r in off_runs)
+    on_b = wire // rooms if rooms else None
+    off_b = off_wire // off_rooms if off_rooms else None
+    return {
+        "cp_size": cp, "rooms": rooms, "rooms_off": off_rooms,
+        "wire_bytes_on": on_b,
+        "wire_bytes_off": off_b,
+        "wire_mb_on": rnd(on_b / 1e6, 3) if on_b is not None else None,
+        "wire_mb_off": rnd(off_b / 1e6, 3) if off_b is not None else None,
+        "state_bytes_skipped": skipped // rooms if rooms else None,
+        "measured_cut": (off_b - on_b) / off_b if on_b is not None and off_b else None,
+        "analytic_cut": (cp - 1) * st / (kv + cp * st + aux),
+        "time_ms_on": rnd(t_on * 1e3 if t_on else None, 2),
+        "time_ms_off": rnd(t_off * 1e3 if t_off else None, 2),
+        "time_on_vs_off": rnd(f.paired(f"dedup_on/{cp}", off_name, "seconds", "seconds"), 3),
+        "gbps_on": rnd((wire / rooms) / t_on / 1e9 if rooms and t_on else None, 3),
+        "off": "measured: a group with sender.dedup = false" if cp > 1 else
+               "the on group (nothing to de-duplicate at cp 1)",
+    }
+
+
+def _dedup(f: Figures, b: Bench) -> dict[str, Any]:
+    assert b.ds is not None
+    lay = b.ds.layout
+    n = b.ds.cfg.demo.pages_per_room
+    kv = n * lay.kv_page_bytes()
+    st = sum(buf.row_bytes for buf in lay.buffers if buf.kind == "state")
+    aux = lay.aux_row_bytes
+    dedup: dict[str, Any] = {
+        "config": "configs/deepseek-cp8.toml", "model": lay.model, "room_pages": n,
+        "room_tokens": n * lay.page_size, "kv_bytes_per_room": kv, "state_bytes_per_room": st,
+        "aux_bytes_per_room": aux, "state_kv_ratio": rnd(st / kv, 6), "rooms_per_measurement": b.plan.dedup_rooms,
+        "production_cut_cp8": PRODUCTION_CUT_CP8,
+        "layout_cut_cp8_no_aux": rnd(7 * st / (kv + 8 * st), 6),
+        "method": DEDUP_METHOD,
+    }
+    for cp in DEDUP_CPS:
+        dedup[f"cp{cp}"] = _dedup_cp(f, cp, kv, st, aux)
+    return dedup
+
+
+def _ratios(by_size: dict[str, float | None], same_host_ratio: float | None) -> dict[str, Any]:
+    return {
+        "tcp_vs_raw_zmq": by_size.get("1MiB"),
+        "tcp_vs_raw_zmq_by_size": by_size,
+        "same_host_vs_memcpy": same_host_ratio,
+        "notes": {"tcp_vs_raw_zmq": "transferd bulk rooms of 1 MiB rows vs raw pyzmq with 1 MiB messages, "
+                                    "same bytes, median of per-round ratios",
+                  "same_host_vs_memcpy": ("transferd's same-host path, bulk rooms of 1 MiB rows, vs one-thread "
+                                          "memcpy of 1 MiB pieces, median of per-round ratios")},
+    }
+
+
+def _targets(ratios: dict[str, Any], small: dict[str, Any], dedup: dict[str, Any]) -> dict[str, Any]:
+    c1, d8 = small["cp1"], dedup["cp8"]
+    same_host_ratio = ratios["same_host_vs_memcpy"]
+    return {
+        "tcp_vs_raw_zmq >= 0.9": {"value": ratios["tcp_vs_raw_zmq"],
+                                  "met": met(ratios["tcp_vs_raw_zmq"], TARGETS["tcp_vs_raw_zmq"], True)},
+        "same_host_vs_memcpy >= 0.8": {"value": same_host_ratio,
+                                       "met": met(same_host_ratio, TARGETS["same_host_vs_memcpy"], True)},
+        "small_rooms.cp1.p50_ms <= 1": {"value": c1["p50_ms"], "met": met(c1["p50_ms"], 1.0, False)},
+        "small_rooms.cp1.rooms_per_s >= 2000": {"value": c1["rooms_per_s"],
+                                                "met": met(c1["rooms_per_s"], 2000.0, True)},
+        "dedup.cp8.measured_cut == analytic_cut": {
+            "value": d8["measured_cut"],
+            "met": d8["measured_cut"] is not None and abs(d8["measured_cut"] - d8["analytic_cut"]) < 1e-9},
+        "dedup.cp8 time on < off": {"value": d8["time_on_vs_off"], "met": met(d8["time_on_vs_off"], 1.0, False)},
+        ">= 2x mooncake tcp": {"value": None, "met": None},
+    }
+
+
+def _mooncake_target(f: Figures, ratios: dict[str, Any], targets: dict[str, Any]) -> None:
+    """With the peer measured: its ratio and its target."""
+    v = f.paired("bulk/1MiB", "mooncake/1MiB")
+    ratios["vs_mooncake_tcp"] = rnd(v, 3)
+    ratios["notes"]["vs_mooncake_tcp"] = ("transferd bulk rooms of 1 MiB rows over TCP vs Mooncake Transfer "
+                                          "Engine's TCP transport writing the same bytes in 1 MiB pieces")
+    targets[">= 2x mooncake tcp"] = {"value": rnd(v, 3), "met": met(v, TARGETS["vs_mooncake_tcp"], True)}
+
+
+def _peers(f: Figures, b: Bench) -> dict[str, Any]:
+    mooncake = b.limits.mooncake
+    if mooncake is None:
+        return {}
+    by_size = {key: rnd(f.med(f"mooncake/{key}", "gbps"), 3) for key in SIZES}
+    b.notes.setdefault("peers", "Mooncake Transfer Engine, TCP transport, P2P handshake, target in another "
+                                "process writing into a shared-memory pool; same bytes as the bulk rooms")
+    return {"mooncake_tcp_gbps": by_size["1MiB"], "mooncake_tcp_gbps_by_size": by_size,
+            "mooncake_tcp_rounds": {key: f.rounds(f"mooncake/{key}") for key in SIZES},
+            "transferd_tcp_vs_mooncake_tcp_by_size": {key: rnd(f.paired(f"bulk/{key}", f"mooncake/{key}"), 3)
+                                                      for key in SIZES},
+            # what 2 × Mooncake asks of any transport: its rate doubled, over the raw TCP limit
+            # measured in the same rounds (> 1: beyond a plain socket on this host)
+            "twice_mooncake_vs_raw_tcp_by_size": {key: rnd(2 * r, 3) if (r := f.paired(f"mooncake/{key}",
+                                                                                       f"raw_tcp/{key}")) else None
+                                                  for key in SIZES},
+            "mooncake_tcp_mismatched_bytes": mooncake.mismatched}
+
+
+def report(b: Bench) -> dict[str, Any]:
+    """The JSON of a run (its shape is part of the interface: tests/integration/test_bench.py)."""
+    f = Figures(b.results)
+    limits = _limits(f, b)
+    bulk = _bulk(f, b)
+    by_size = {key: bulk[key]["vs_raw_zmq"] for key in BULK_KEYS}
+    bulk["1MiB"]["zmq_socket"] = _zmq_socket(f)
+    same_host = _same_host(f, bulk)
+    small = _small(f, b)
+    dedup = _dedup(f, b)
+    ratios = _ratios(by_size, same_host["1MiB"]["vs_memcpy"])
+    targets = _targets(ratios, small, dedup)
+    if b.limits.mooncake is not None:
+        _mooncake_target(f, ratios, targets)
+    fleet = b.fleet
+    return {
+        "bench_version": BENCH_VERSION, "quick": b.quick, "repeats": b.plan.repeats,
+        "target_repeats": b.plan.target_repeats,
+        "host": host(), "limits": limits, "bulk": bulk,
+        "same_host": same_host,
+        "small_rooms": small, "dedup": dedup, "ratios": ratios, "targets": targets,
+        "peers": _peers(f, b), "notes": b.notes,
+        "mismatched_bytes": fleet.mismatched, "verified_rooms": fleet.verified_rooms,
+        "rooms_ok": fleet.ok_rooms, "rooms_failed": sum(fleet.failed_rooms.values()),
+        "rooms_failed_by_reason": dict(fleet.failed_rooms),
+    }
+
+
+# -- the table and the plot -----------------------------------------------------------------------
+
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def format_table(out: dict[str, Any]) -> str:
+    h = out["host"]
+    rounds = f"{out['repeats']}" + (f" (the 1 MiB block {out['target_repeats']} times)"
+                                   if out.get("target_repeats", out["repeats"]) != out["repeats"] else "")
+    lines = [f"transferd bench ({'quick' if out['quick'] else 'full'}): {rounds} interleaved rounds, "
+             f"medians; {h['cpus']} CPUs, load {h.get('loadavg_before', [])} → {h['loadavg']}; "
+             f"pyzmq {h['pyzmq']} / libzmq {h['libzmq']}; GB/s = 1e9 B/s", ""]
+    lim, bulk = out["limits"], out["bulk"]
+    keys = list(SIZES)
+    w = 12
+    lines.append("message size".ljust(34) + "".join(k.rjust(w) for k in keys))
+    lines.append("memcpy → pool (1 thread) GB/s".ljust(34) + "".join(_f(lim["memcpy"][k]["gbps"]).rjust(w) for k in keys))
+    lines.append("raw pyzmq tcp, zero-copy GB/s".ljust(34) + "".join(_f(lim["raw_zmq_tcp"][k]["gbps"]).rjust(w) for k in keys))
+    for side in ("receiver", "sender"):
+        lines.append(f"  {side} CPU s/GB".ljust(34)
+                     + "".join(_f(lim["raw_zmq_tcp"][k].get(f"{side}_cpu_s_per_gb")).rjust(w) for k in keys))
+    if "raw_tcp" in lim:
+        lines.append("raw tcp socket, recv_into GB/s".ljust(34) + "".join(_f(lim["raw_tcp"][k]["gbps"]).rjust(w)
+                                                                     for k in keys))
+        for side in ("receiver", "sender"):
+            lines.append(f"  {side} CPU s/GB".ljust(34)
+                         + "".join(_f(lim["raw_tcp"][k].get(f"{side}_cpu_s_per_gb")).rjust(w) for k in keys))
+    lines.append("transferd tcp (scattered) GB/s".ljust(34) + "".join(_f(bulk[k]["gbps"]).rjust(w) for k in keys))
+    lines.append("  × raw pyzmq".ljust(34) + "".join(_f(bulk[k]["vs_raw_zmq"]).rjust(w) for k in keys))
+    lines.append("  × raw tcp socket".ljust(34) + "".join(_f(bulk[k].get("vs_raw_tcp")).rjust(w) for k in keys))
+    lines.append("  × memcpy".ljust(34) + "".join(_f(bulk[k]["vs_memcpy"]).rjust(w) for k in keys))
+    lines.append("  receiver CPU s/GB".ljust(34) + "".join(_f(bulk[k]["receiver_cpu_s_per_gb"]).rjust(w) for k in keys))
+    lines.append("  sender CPU s/GB".ljust(34) + "".join(_f(bulk[k]["sender_cpu_s_per_gb"]).rjust(w) for k in keys))
+    peers = out["peers"]
+    if peers.get("mooncake_tcp_gbps_by_size"):
+        mc = peers["mooncake_tcp_gbps_by_size"]
+        lines.append("Mooncake TE tcp (peer) GB/s".ljust(34) + "".join(_f(mc[k]).rjust(w) for k in keys))
+        rel = peers["transferd_tcp_vs_mooncake_tcp_by_size"]
+        lines.append("  transferd tcp × Mooncake".ljust(34) + "".join(_f(rel[k]).rjust(w) for k in keys))
+        need = peers.get("twice_mooncake_vs_raw_tcp_by_size")
+        if need:
+            lines.append("  2 × Mooncake ÷ raw tcp socket".ljust(34) + "".join(_f(need[k]).rjust(w) for k in keys))
+    bc = bulk["64KiB_contig"]
+    lines.append(f"transferd tcp, 64 KiB rows on contiguous pages (1 MiB messages): {_f(bc['gbps'])} GB/s, "
+                 f"{_f(bc['vs_raw_zmq'])} × raw pyzmq 1 MiB")
+    zs = bulk["1MiB"].get("zmq_socket")
+    if zs:
+        lines.append(f"transferd tcp without the data stream (ZeroMQ socket), 1 MiB rows: {_f(zs['gbps'])} GB/s, "
+                     f"{_f(zs['vs_raw_zmq'])} × raw pyzmq; the stream is {_f(zs['stream_vs_zmq_socket'])} × this")
+    sh = out["same_host"]
+    if sh.get("available"):
+        lines.append("transferd same-host (rows) GB/s".ljust(34) + "".join(_f(sh[k]["gbps"]).rjust(w) for k in keys))
+        lines.append("  × memcpy".ljust(34) + "".join(_f(sh[k]["vs_memcpy"]).rjust(w) for k in keys))
+        lines.append("  × transferd tcp".ljust(34) + "".join(_f(sh[k]["vs_tcp"]).rjust(w) for k in keys))
+        lines.append("  receiver CPU s/GB".ljust(34) + "".join(_f(sh[k]["receiver_cpu_s_per_gb"]).rjust(w)
+                                                            for k in keys))
+        shc = sh["64KiB_contig"]
+        lines.append(f"transferd same-host, 64 KiB rows on contiguous pages: {_f(shc['gbps'])} GB/s, "
+                     f"{_f(shc['vs_memcpy'])} × memcpy 1 MiB")
+    else:
+        lines.append(f"same-host path: — ({sh['note']})")
+    lines.append("")
+    sr = out["small_rooms"]
+    lines.append(f"small rooms (1 page of {sr['room']['kv_bytes'] // 1024} KiB over {sr['room']['messages_per_room_rank0'] - 1} "
+                 f"KV buffers + aux, no state; expect → Success from the decode engine):")
+    lines.append("  cp   p50 ms   p99 ms   rooms/s (" + f"{sr['cp1']['rooms_in_flight']} in flight, batched)   "
+                 "engine API round trip (ping) µs")
+    for cp in SMALL_CPS:
+        s = sr[f"cp{cp}"]
+        lines.append(f"  {cp:<3}{_f(s['p50_ms'], '{:.3f}').rjust(7)}  {_f(s['p99_ms'], '{:.3f}').rjust(7)}  "
+                     f"{_f(s['rooms_per_s'], '{:.0f}').rjust(8)}  {_f(s['engine_rpc_rtt_us'], '{:.0f}').rjust(27)}")
+    lines.append("")
+    d = out["dedup"]
+    lines.append(f"CP de-dup, {d['config']} ({d['model']}): a {d['room_tokens']}-token room, KV "
+                 f"{d['kv_bytes_per_room'] / 1e6:.2f} MB, replicated state {d['state_bytes_per_room'] / 1e6:.2f} MB "
+                 f"(S/KV {d['state_kv_ratio']:.4f})")
+    lines.append("  cp  wire MB off  wire MB on   cut measured  cut analytic    ms off   ms on   on/off   (ms per room, "
+                 "expect → Success)")
+    for cp in DEDUP_CPS:
+        e = d[f"cp{cp}"]
+        cut_m = None if e["measured_cut"] is None else 100 * e["measured_cut"]
+        lines.append(f"  {cp:<3}{_f(e['wire_mb_off']).rjust(10)}  {_f(e['wire_mb_on']).rjust(10)}   "
+                     f"{_f(cut_m, '{:.4f} %').rjust(12)}  {_f(100 * e['analytic_cut'], '{:.4f} %').rjust(12)}  "
+                     f"{_f(e['time_ms_off'], '{:.1f}').rjust(8)}  {_f(e['time_ms_on'], '{:.1f}').rjust(6)}  "
+                     f"{_f(e['time_on_vs_off']).rjust(7)}")
+    lines.append(f"  production figure at cp 8: {100 * d['production_cut_cp8']:.2f} %; this layout without the aux "
+                 f"row: {100 * d['layout_cut_cp8_no_aux']:.4f} %. off: the same room from a group with "
+                 "sender.dedup = false; bytes from the senders' counters")
+    lines.append("")
+    lines.append("targets:")
+    for name, t in out["targets"].items():
+        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        v = t["value"]
+        lines.append(f"  {name:<42} {_f(v, '{:.4g}') if isinstance(v, (int, float)) else '—':>10}  {met}")
+    lines.append(f"peers: {out['notes'].get('peers', 'none')}")
+    lines.append(f"rooms: {out['rooms_ok']} ok, {out['rooms_failed']} failed; {out['verified_rooms']} verified byte "
+                 f"for byte, {out['mismatched_bytes']} mismatched bytes; {out.get('seconds', 0):.1f} s")
+    return "\n".join(lines)
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
+    xs = [SIZES[k] / KiB for k in SIZES]
+    series = [("memcpy → pool", [out["limits"]["memcpy"][k]["gbps"] for k in SIZES]),
+              ("raw pyzmq tcp", [out["limits"]["raw_zmq_tcp"][k]["gbps"] for k in SIZES]),
+              ("transferd tcp", [out["bulk"][k]["gbps"] for k in SIZES])]
+    if out["same_host"].get("available"):
+        series.append(("transferd same-host", [out["same_host"][k]["gbps"] for k in SIZES]))
+    if out["peers"].get("mooncake_tcp_gbps_by_size"):
+        series.append(("Mooncake TE tcp", [out["peers"]["mooncake_tcp_gbps_by_size"][k] for k in SIZES]))
+    for label, ys in series:
+        ax1.plot(xs, [y if y is not None else float("nan") for y in ys], marker="o", label=label)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(xs, [k for k in SIZES])
+    ax1.set_xlabel("message size")
+    ax1.set_ylabel("GB/s")
+    ax1.set_title("throughput vs message size")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    d = out["dedup"]
+    cps = list(DEDUP_CPS)
+    x = np.arange(len(cps))
+    off = [d[f"cp{c}"]["wire_mb_off"] or 0 for c in cps]
+    on = [d[f"cp{c}"]["wire_mb_on"] or 0 for c in cps]
+    ax2.bar(x - 0.2, off, 0.4, label="de-dup off")
+    ax2.bar(x + 0.2, on, 0.4, label="de-dup on")
+    for i, c in enumerate(cps):
+        cut = d[f"cp{c}"]["measured_cut"]
+        if cut:
+            ax2.text(x[i] + 0.2, on[i], f"−{100 * cut:.2f} %", ha="center", va="bottom", fontsize=8)
+    ax2.set_xticks(x, [f"cp {c}" for c in cps])
+    ax2.set_ylabel("wire MB per room")
+    ax2.set_title(f"CP de-dup: bytes ({d['room_tokens']}-token room)")
+    ax2.legend()
+    t_off = [d[f"cp{c}"]["time_ms_off"] or 0 for c in cps]
+    t_on = [d[f"cp{c}"]["time_ms_on"] or 0 for c in cps]
+    ax3.bar(x - 0.2, t_off, 0.4, label="de-dup off")
+    ax3.bar(x + 0.2, t_on, 0.4, label="de-dup on")
+    ax3.set_xticks(x, [f"cp {c}" for c in cps])
+    ax3.set_ylabel("ms per room (expect → Success)")
+    ax3.set_title("CP de-dup: transfer time")
+    ax3.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,357 @@
+"""The measured subjects and the run: the daemons started for them, their source bytes, transferd's
+bulk rooms (TCP on a data stream, the same-host path, the ZeroMQ socket), the de-dup rooms, the
+small rooms, the baselines of :mod:`.peers`, and the interleaved rounds of :func:`.plan.schedule`."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...client import PrefillClient
+from ...config import load
+from ...errors import TransferdError
+from ...pool.shm import Pool
+from ...protocol.room import RoomState
+from ..progress import progress_bar
+from ..rooms import write_guard
+from .cluster import Cluster, Fleet
+from .peers import Limits
+from .plan import BULK_KEYS, BULK_LAYERS, DEDUP_CPS, SIZES, SMALL_CPS, Filler, Plan, cpu_seconds, schedule
+
+log = logging.getLogger(__name__)
+Subject = Callable[[], dict[str, Any]]
+
+
+class Bench:
+    """One run: the daemons (:class:`.cluster.Fleet`), the baselines (:class:`.peers.Limits`),
+    every subject's results per round and the small rooms' latencies."""
+
+    def __init__(self, plan: Plan, quick: bool, run_dir: Path, tag: str, progress: bool) -> None:
+        self.plan = plan
+        self.quick = quick
+        self.run_dir = run_dir
+        self.tag = tag
+        self.progress = progress
+        self.fleet = Fleet(run_dir, tag, plan.room_timeout_s)
+        self.limits = Limits(plan, tag)
+        self.bulk: dict[str, Cluster] = {}
+        self.ds: Cluster | None = None
+        self.results: dict[str, list[dict[str, Any]]] = {}
+        self.latencies: dict[int, list[float]] = {cp: [] for cp in SMALL_CPS}
+        self.notes: dict[str, str] = {}
+        self.codes: dict[str, int | None] = {}
+        self.only: list[str] = []  # subject globs (--only); empty: all
+
+    def say(self, msg: str) -> None:
+        if self.progress:
+            print(f"\r\033[K[bench] {msg}", end="", file=sys.stderr, flush=True)
+
+    # -- start-up ------------------------------------------------------------------------
+    def start(self, ds_path: Path) -> None:
+        p, fleet = self.plan, self.fleet
+        deadline = time.monotonic() + 180.0
+        self.limits.start(fleet.procs, self.run_dir, self.notes)
+        # receivers first (their addresses are picked by the kernel), then every sender at once
+        for key in ("64KiB", "256KiB", "1MiB"):
+            pages = p.bulk_room_bytes // (BULK_LAYERS * SIZES[key])
+            n = pages * p.bulk_rooms
+            self.bulk[key] = fleet.cluster(f"bulk{key.lower()}", fleet.write_bulk_config(key), (n, 0, 64), (n, 0, 64))
+        n = load(ds_path, env={}).demo.pages_per_room
+        aux = max(p.small_batch_rooms, 8 * p.dedup_rooms)
+        self.ds = ds = fleet.cluster("dsrx", ds_path, (n * p.dedup_rooms + p.small_batch_rooms, 8 * p.dedup_rooms, aux),
+                                     (n, 1, aux))
+        self.say("starting daemons")
+        for c in fleet.clusters.values():
+            fleet.answer(c, deadline)
+        for c in self.bulk.values():
+            fleet.group(c, f"b{c.name[4:]}", 1)
+            fleet.group(c, f"s{c.name[4:]}", 1, same_host=True)
+            fleet.group(c, f"z{c.name[4:]}", 1, stream=False)  # TCP through the ZeroMQ socket only
+        for cp in DEDUP_CPS:
+            fleet.group(ds, f"ds{cp}", cp)
+        for cp in DEDUP_CPS[1:]:  # the same groups with the de-dup off: every rank ships the state
+            fleet.group(ds, f"dsoff{cp}", cp, dedup=False)
+        self.limits.fill()  # meanwhile
+        groups = [g for c in fleet.clusters.values() for g in c.groups.values()]
+        for g in groups:
+            g.pcs = [PrefillClient(g.cfg.sender_engine_socket(rank), timeout_s=2.0) for rank in range(g.cp)]
+        fleet.registered(groups, deadline)
+        self.say("filling pools")
+        for c in fleet.clusters.values():
+            c.dpool = Pool.attach(c.cfg.receiver_pool_name())
+            for rows in c.dpool.rows:  # touch the destination once, like a warm engine's pool
+                rows[:] = 0
+            for g in c.groups.values():
+                g.pools = [Pool.attach(g.cfg.sender_pool_name(r)) for r in range(g.cp)]
+        self._prepare_bulk()
+        self._prepare_ds()
+        for c in fleet.clusters.values():
+            assert c.dc is not None
+            c.dc.timeout_s = 30.0
+            for g in c.groups.values():
+                for pc in g.pcs:
+                    pc.timeout_s = 30.0
+
+    def _prepare_bulk(self) -> None:
+        p = self.plan
+        rng = np.random.default_rng(11)
+        for key, c in self.bulk.items():
+            for gi, g in enumerate(c.groups.values()):
+                rows = g.pools[0].layout.kv_rows
+                for b in g.pools[0].layout.indices("kv"):
+                    Filler(100 + b + 10 * len(key) + 1000 * gi).rows(g.pools[0].rows[b], range(rows))
+                g.src_pages = [rng.permutation(rows)]
+            c.dst_perm = rng.permutation(c.layout.kv_rows)
+            c.pages = p.bulk_room_bytes // (BULK_LAYERS * SIZES[key])
+
+    def _prepare_ds(self) -> None:
+        assert self.ds is not None
+        rng = np.random.default_rng(13)
+        layout = self.ds.layout
+        n = self.ds.cfg.demo.pages_per_room
+        for gi, g in enumerate(self.ds.groups.values()):
+            for r, pool in enumerate(g.pools):
+                f = Filler(1000 + 37 * gi + r)
+                kv_rows = pool.layout.kv_rows
+                perm = rng.permutation(kv_rows)[:n]
+                g.src_pages.append(perm)
+                for b in layout.indices("kv"):
+                    f.rows(pool.rows[b], range(kv_rows))
+                fs = Filler(5000 + gi)  # the replicated state: the same bytes on every rank of a group
+                for b in layout.indices("state"):
+                    fs.rows(pool.rows[b], [0])  # slot 0 is the room's
+        self.ds.dst_perm = rng.permutation(layout.kv_rows)
+
+    # -- subjects ------------------------------------------------------------------------
+    def bulk_room(self, key: str, path: str = "tcp") -> dict[str, Any]:
+        """Bulk rooms of one sender: ``tcp`` (the default path between hosts: a data stream),
+        ``shm`` (the same-host path) or ``zmq`` (TCP through the ZeroMQ socket, no data stream)."""
+        fleet = self.fleet
+        contig = key.endswith("_contig")
+        c = self.bulk[key.split("_")[0]]
+        assert c.dc is not None and c.rx is not None
+        g = list(c.groups.values())[("tcp", "shm", "zmq").index(path)]
+        pc, sp = g.pcs[0], g.pools[0]
+        P, R = c.pages, self.plan.bulk_rooms
+        rooms: list[tuple[int, np.ndarray, np.ndarray]] = []
+        for j in range(R):
+            room = fleet.room_id()
+            if contig:
+                src = np.arange(j * P, (j + 1) * P)
+                dst = np.arange(j * P, (j + 1) * P)
+            else:
+                src = g.src_pages[0][j * P:(j + 1) * P]
+                dst = c.dst_perm[j * P:(j + 1) * P]
+            write_guard(sp, j, room)
+            pc.submit(room, 0, src.tolist(), last=True, aux_slot=j)
+            rooms.append((room, src, dst))
+        fleet.poison(c, rooms[0][2], {}, 0)
+        s0 = pc.stats()
+        shm0, stream0 = int(s0.get("shm_bytes", 0)), int(s0.get("stream_bytes", 0))
+        cpu0 = [cpu_seconds(c.rx.proc.pid), cpu_seconds(g.procs[0].proc.pid)]
+        expects = [{"room": room, "group": g.name, "dst_pages": dst.tolist(), "aux_slot": j}
+                   for j, (room, _, dst) in enumerate(rooms)]
+        t0 = time.perf_counter()
+        for st in c.dc.expect_many(expects):  # one engine call for all, as a batching engine would
+            if isinstance(st, Exception):
+                raise TransferdError(f"bench: expect refused: {st}")
+        ok = fleet.wait_all(c, [(g.name, room) for room, _, _ in rooms])
+        dt = time.perf_counter() - t0
+        cpu1 = [cpu_seconds(c.rx.proc.pid), cpu_seconds(g.procs[0].proc.pid)]
+        s1 = pc.stats()
+        shm, stream = int(s1.get("shm_bytes", 0)) - shm0, int(s1.get("stream_bytes", 0)) - stream0
+        _room0, src0, dst0 = rooms[0]
+        fleet.verify(c, g, dst0, [src0], {}, {}, 0, 0)
+        fleet.release(c, [(g.name, room) for room, _, _ in rooms])
+        nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
+        out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
+                               "shm_share": shm / nbytes, "stream_share": stream / nbytes}
+        if None not in cpu0 and None not in cpu1:
+            gb = nbytes / 1e9
+            out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
+            out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
+        return out
+
+    def _ds_state(self, slot: int) -> dict[str, Sequence[int]]:
+        return {comp: [slot] for comp in self.ds.layout.state_components}  # type: ignore[union-attr]
+
+    def dedup_on(self, cp: int) -> dict[str, Any]:
+        return self._dedup_room(f"ds{cp}")
+
+    def dedup_off(self, cp: int) -> dict[str, Any]:
+        """The same room from a group with ``sender.dedup = false``: every rank ships the state."""
+        return self._dedup_room(f"dsoff{cp}")
+
+    def _dedup_room(self, name: str) -> dict[str, Any]:
+        fleet, c = self.fleet, self.ds
+        assert c is not None and c.dc is not None
+        g = c.groups[name]
+        n = c.cfg.demo.pages_per_room
+        R = self.plan.dedup_rooms
+        rooms = []
+        for j in range(R):
+            room = fleet.room_id()
+            write_guard(g.pools[0], j, room)
+            for r, pc in enumerate(g.pcs):
+                pc.submit(room, 0, g.src_pages[r].tolist(), last=True, state=self._ds_state(0), aux_slot=j)
+            rooms.append((room, c.dst_perm[j * n:(j + 1) * n]))
+        fleet.poison(c, rooms[0][1], self._ds_state(0), 0)
+        before = fleet.sent([g])
+        t0 = time.perf_counter()
+        for j, (room, dst) in enumerate(rooms):
+            c.dc.expect(room, g.name, dst.tolist(), aux_slot=j, state=self._ds_state(j))
+        ok = fleet.wait_all(c, [(g.name, room) for room, _ in rooms])
+        dt = time.perf_counter() - t0
+        after = fleet.sent([g])
+        fleet.verify(c, g, rooms[0][1], g.src_pages, self._ds_state(0), self._ds_state(0), 0, 0)
+        fleet.release(c, [(g.name, room) for room, _ in rooms])
+        return {"seconds": dt / R if ok == R else None, "wire": after[0] - before[0], "skipped": after[1] - before[1],
+                "rooms": R}
+
+    def small(self, cp: int) -> dict[str, Any]:
+        """One-page rooms with the aux row: latency one at a time, then rooms/s with many in flight."""
+        fleet, c = self.fleet, self.ds
+        assert c is not None and c.dc is not None
+        g = c.groups[f"ds{cp}"]
+        p = self.plan
+        K = p.small_batch_rooms
+        base = self.plan.dedup_rooms * c.cfg.demo.pages_per_room  # small rooms' pages follow the de-dup rooms'
+        dst_pages = c.dst_perm[base:base + K]
+        kv_src = g.pools[0].layout.kv_rows
+
+        def src_page(r: int, i: int) -> int:
+            return int(g.src_pages[r][i % len(g.src_pages[r])]) % kv_src
+
+        def submit(i: int, slot: int) -> int:
+            room = fleet.room_id()
+            write_guard(g.pools[0], slot, room)
+            for r, pc in enumerate(g.pcs):
+                pc.submit(room, 0, [src_page(r, i)], last=True, aux_slot=slot)
+            return room
+
+        def check(i: int, slot: int) -> None:
+            fleet.verify(c, g, np.array([dst_pages[slot]]), [np.array([src_page(r, i)]) for r in range(cp)],
+                         {}, {}, slot, slot)
+
+        # the engine API's own round trip (a ping), for reading the latencies below
+        rtt = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            c.dc.ping()
+            rtt.append(time.perf_counter() - t0)
+        # latency: one room at a time, the prefill side having submitted first
+        lat = []
+        for i in range(p.small_latency_rooms):
+            slot = i % K
+            room = submit(i, slot)
+            verify = i % p.small_verify_every == 0
+            if verify:
+                fleet.poison(c, np.array([dst_pages[slot]]), {}, slot)
+            t0 = time.perf_counter()
+            c.dc.expect(room, g.name, [int(dst_pages[slot])], aux_slot=slot)
+            st = c.dc.wait(room, g.name, p.room_timeout_s)
+            t1 = time.perf_counter()
+            if st.state is RoomState.SUCCESS:
+                fleet.ok_rooms += 1
+                lat.append(t1 - t0)
+                if verify:
+                    check(i, slot)
+            else:
+                fleet.failed_rooms[st.code or st.state.value] += 1
+                log.error("bench: small room %d of %s ended %s: %s", room, g.name, st.state.value, st.reason)
+            c.dc.release(room, g.name)
+        self.latencies[cp] += lat
+        # throughput: K rooms in flight, the engines batching their calls (submit_many,
+        # expect_many, wait_many: one round trip each instead of one per room)
+        rooms = [fleet.room_id() for _ in range(K)]
+        for i, room in enumerate(rooms):
+            write_guard(g.pools[0], i, room)
+        for r, pc in enumerate(g.pcs):
+            pc.submit_many([dict(room=room, src_pages=[src_page(r, i)], last=True, aux_slot=i)
+                            for i, room in enumerate(rooms)])
+        for i in range(0, K, p.small_verify_every):
+            fleet.poison(c, np.array([dst_pages[i]]), {}, i)
+        t0 = time.perf_counter()
+        c.dc.expect_many([dict(room=room, group=g.name, dst_pages=[int(dst_pages[i])], aux_slot=i)
+                          for i, room in enumerate(rooms)])
+        ok = fleet.wait_all(c, [(g.name, room) for room in rooms])
+        dt = time.perf_counter() - t0
+        for i in range(0, K, p.small_verify_every):
+            check(i, i)
+        fleet.release(c, [(g.name, room) for room in rooms])
+        return {"rooms_per_s": K / dt if ok == K else None, "p50_ms": 1e3 * float(np.percentile(lat, 50)) if lat else None,
+                "rpc_rtt_us": 1e6 * float(np.median(rtt))}
+
+    def mooncake_tcp(self, key: str) -> dict[str, Any]:
+        return self.limits.mooncake_tcp(key, self.notes)
+
+    # -- rounds --------------------------------------------------------------------------
+    def subjects(self) -> list[tuple[str, Subject]]:
+        lim = self.limits
+        out: list[tuple[str, Subject]] = []
+        for key in SIZES:
+            out.append((f"memcpy/{key}", partial(lim.memcpy, key)))
+            out.append((f"raw_zmq/{key}", partial(lim.raw_zmq, key)))
+            out.append((f"raw_tcp/{key}", partial(lim.raw_tcp, key)))
+        for key in BULK_KEYS:
+            out.append((f"bulk/{key}", partial(self.bulk_room, key)))
+            out.append((f"bulk_shm/{key}", partial(self.bulk_room, key, "shm")))
+        out.append(("bulk_zmq/1MiB", partial(self.bulk_room, "1MiB", "zmq")))
+        for cp in DEDUP_CPS:
+            out.append((f"dedup_on/{cp}", partial(self.dedup_on, cp)))
+            if cp > 1:
+                out.append((f"dedup_off/{cp}", partial(self.dedup_off, cp)))
+        for cp in SMALL_CPS:
+            out.append((f"small/{cp}", partial(self.small, cp)))
+        if lim.mooncake is not None:
+            for key in SIZES:
+                out.append((f"mooncake/{key}", partial(self.mooncake_tcp, key)))
+        if self.only:
+            out = [(n, fn) for n, fn in out if any(fnmatch.fnmatchcase(n, g) for g in self.only)]
+        return out
+
+    def run_rounds(self) -> None:
+        self.limits.wait_ready(self.fleet.procs.check)
+        subjects = self.subjects()
+        fns = dict(subjects)
+        rounds = schedule([n for n, _ in subjects], self.plan.repeats, self.plan.target_repeats)
+        # a bar on a terminal only (the table and the JSON never mix with it)
+        bar = progress_bar(enabled=self.progress, total=len(subjects) + sum(map(len, rounds)), unit="step",
+                           desc="transferd bench", file=sys.stderr, leave=False)
+        try:
+            # one discarded pass: page-table faults of every daemon's first touch of its pool, TCP
+            # slow start and lazy imports belong to no round (the bench's own mappings are already warm)
+            for name, fn in subjects:
+                bar.set_postfix_str(f"warm-up {name}", refresh=False)
+                fn()
+                bar.update(1)
+            self.latencies = {cp: [] for cp in SMALL_CPS}
+            for k, names in enumerate(rounds):
+                for name in names:
+                    bar.set_postfix_str(f"round {k + 1}/{len(rounds)} {name}", refresh=False)
+                    self.results.setdefault(name, []).append(fns[name]())
+                    bar.update(1)
+        finally:
+            bar.close()
+
+    # -- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        self.limits.stop_sender()
+        self.fleet.close_clients()
+        self.limits.close()
+        self.codes = self.fleet.stop()
+        self.limits.remove_pool()
+        self.fleet.remove_pools()
+        if self.progress:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+    def dump_logs(self) -> None:
+        self.fleet.dump_logs()
