@@ -11,24 +11,72 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import msgpack
 import numpy as np
 import zmq
 
-from .errors import ClientTimeout, TransferdError, error_from_code
+from .errors import ClientTimeout, TransferdError, VersionMismatch
+from .protocol.engine_api import (
+    LOCAL_API_VERSION,
+    Expect,
+    Ok,
+    Ping,
+    ReceiverAbort,
+    ReceiverPoll,
+    ReceiverWait,
+    Refusal,
+    Release,
+    Request,
+    SenderAbort,
+    SenderPoll,
+    SenderWait,
+    Stats,
+    Status,
+    Submit,
+    batch_replies,
+    build,
+    builds,
+    call_map,
+    decode_reply,
+    request_map,
+)
 from .protocol.room import RoomState, RoomStatus
 
-__all__ = ["DecodeClient", "PrefillClient", "RoomState", "RoomStatus"]
+__all__ = ["LOCAL_API_VERSION", "DecodeClient", "PrefillClient", "RoomState", "RoomStatus"]
 
 
 Rows = Sequence[int] | np.ndarray
 """Page or slot indices: a list, a range or a numpy integer array."""
 
+R = TypeVar("R", bound=Request)
+
 
 def _pages(v: Rows) -> list[int]:
     return [int(x) for x in (v.tolist() if hasattr(v, "tolist") else v)]
+
+
+def _int(v: Any) -> Any:
+    """A numpy integer as a Python int; anything else as it is (the request's check judges it)."""
+    return int(v) if isinstance(v, np.integer) else v
+
+
+def _normalize(args: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of :meth:`PrefillClient.submit` or :meth:`DecodeClient.expect` in their
+    wire form: numpy rows and integers as Python ones, ``last`` as a bool, ``aux_slot`` as an int
+    (as those methods always took them); checked afterwards by the request's own decoder."""
+    out = {k: _int(v) for k, v in args.items()}
+    for key in ("src_pages", "dst_pages"):
+        if key in out and not isinstance(out[key], (str, bytes)) and hasattr(out[key], "__iter__"):
+            out[key] = _pages(out[key])
+    if isinstance(out.get("state"), Mapping):
+        out["state"] = {k: _pages(v) for k, v in out["state"].items()}
+    if "last" in out:
+        out["last"] = bool(out["last"])
+    if out.get("aux_slot") is not None and not isinstance(out["aux_slot"], bool):
+        out["aux_slot"] = int(out["aux_slot"])
+    return out
 
 
 class _Client:
@@ -43,30 +91,51 @@ class _Client:
         self._lock = threading.Lock()
 
     def call(self, op: str, reply_timeout_s: float | None = None, **args: Any) -> Any:
-        """Send one request and wait for its reply; raises the daemon's error or ClientTimeout."""
+        """Send one request, ``{"id", "v", "op", **args}`` with ``args`` as given (the daemon
+        checks them), and wait for its reply; raises the daemon's error or ClientTimeout."""
+        return self._result(self._roundtrip(op, args, reply_timeout_s))
+
+    def request(self, req: Request, reply_timeout_s: float | None = None) -> Any:
+        """Send one typed request and wait for its result; raises the daemon's error."""
+        return self._result(self._roundtrip(req.op, req.to_wire(), reply_timeout_s))
+
+    def _roundtrip(self, op: str, args: Mapping[str, Any], reply_timeout_s: float | None) -> Ok | Refusal:
         timeout = self.timeout_s if reply_timeout_s is None else reply_timeout_s
         with self._lock:
             rid = next(self._ids)
-            self._sock.send(msgpack.packb({"id": rid, "op": op, **args}, use_bin_type=True))
+            self._sock.send(msgpack.packb(request_map(rid, op, args), use_bin_type=True))
             while True:
                 if not self._sock.poll(int(timeout * 1000)):
                     # the reply may still come: a fresh socket keeps later calls from reading it
                     self._reset()
                     raise ClientTimeout(f"no answer to {op!r} from {self.endpoint} within {timeout:g}s")
-                reply = msgpack.unpackb(self._sock.recv(), raw=False)
-                if reply.get("id") == rid:
-                    break
-        if not reply.get("ok"):
-            raise error_from_code(reply.get("code", "error"), reply.get("error", "unknown error"))
-        return reply.get("result")
+                reply_id, outcome = decode_reply(self._sock.recv())
+                if reply_id == rid:
+                    return outcome
 
-    def batch(self, calls: list[dict[str, Any]], reply_timeout_s: float | None = None) -> list[Any]:
-        """Many requests in one round trip (``[{"op": "expect", ...}, ...]``): a list holding, per
-        call, its result or the :class:`TransferdError` it raised (returned, not raised)."""
-        out = []
-        for r in self.call("batch", reply_timeout_s, calls=calls):
-            out.append(r["result"] if r.get("ok") else error_from_code(r.get("code", "error"), r.get("error", "")))
-        return out
+    def _result(self, outcome: Ok | Refusal) -> Any:
+        if isinstance(outcome, Refusal):
+            if outcome.code == VersionMismatch.code:  # the daemon, or its reply, is of another version
+                raise VersionMismatch(f"engine API of {self.endpoint}: {outcome.message}")
+            raise outcome.error()
+        return outcome.result
+
+    def batch(self, calls: Sequence[Mapping[str, Any] | Request],
+              reply_timeout_s: float | None = None) -> list[Any]:
+        """Many requests in one round trip (typed requests, or request maps such as
+        ``{"op": "expect", ...}``, sent as given): a list holding, per call, its result or the
+        :class:`TransferdError` it raised (returned, not raised)."""
+        wire = [call_map(c) if isinstance(c, Request) else dict(c) for c in calls]
+        replies = batch_replies(self.call("batch", reply_timeout_s, calls=wire))
+        return [r.error() if isinstance(r, Refusal) else r.result for r in replies]
+
+    def _batched(self, items: Sequence[Request | TransferdError],
+                 reply_timeout_s: float | None = None) -> list[Any]:
+        """A batch of the items that are requests; an item that is an error (a request refused
+        before it was sent) keeps its place in the answer."""
+        sent = [i for i in items if isinstance(i, Request)]
+        answers = iter(self.batch(sent, reply_timeout_s) if sent else [])
+        return [next(answers) if isinstance(i, Request) else i for i in items]
 
     def _reset(self) -> None:
         self._sock.close(linger=0)
@@ -84,13 +153,25 @@ class _Client:
         self.close()
 
     def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return cast(dict[str, Any], self.call("ping", timeout_s))
+        return cast(dict[str, Any], self.request(Ping(), timeout_s))
 
     def stats(self) -> dict[str, Any]:
-        return cast(dict[str, Any], self.call("stats"))
+        return cast(dict[str, Any], self.request(Stats()))
 
     def status(self) -> dict[str, Any]:
-        return cast(dict[str, Any], self.call("status"))
+        return cast(dict[str, Any], self.request(Status()))
+
+
+def _status(result: Any) -> RoomStatus:
+    return RoomStatus.from_wire(result)
+
+
+def _statuses(results: list[Any]) -> list[RoomStatus | TransferdError]:
+    return [r if isinstance(r, TransferdError) else RoomStatus.from_wire(r) for r in results]
+
+
+def _requests(cls: type[R], items: Sequence[R | Mapping[str, Any]]) -> list[R | TransferdError]:
+    return builds(cls, [i if isinstance(i, cls) or not isinstance(i, Mapping) else _normalize(i) for i in items])
 
 
 class PrefillClient(_Client):
@@ -98,39 +179,26 @@ class PrefillClient(_Client):
 
     def submit(self, room: int, start: int, src_pages: Rows, *, last: bool = False,
                state: Mapping[str, Rows] | None = None, aux_slot: int | None = None) -> RoomStatus:
-        args: dict[str, Any] = {"room": room, "start": start, "src_pages": _pages(src_pages), "last": last}
-        if state:
-            args["state"] = {k: _pages(v) for k, v in state.items()}
-        if aux_slot is not None:
-            args["aux_slot"] = int(aux_slot)
-        return RoomStatus.from_wire(self.call("submit", **args))
+        req = build(Submit, _normalize(dict(room=room, start=start, src_pages=src_pages, last=last,
+                                            state=state, aux_slot=aux_slot)))
+        return _status(self.request(req))
 
     def poll(self, room: int) -> RoomStatus:
-        return RoomStatus.from_wire(self.call("poll", room=room))
+        return _status(self.request(build(SenderPoll, _normalize({"room": room}))))
 
     def wait(self, room: int, timeout_s: float = 60.0) -> RoomStatus:
         """Block until the room is Success or Failed, or ``timeout_s`` passes (then its current status)."""
-        return RoomStatus.from_wire(self.call("wait", timeout_s + self.timeout_s, room=room, timeout_s=timeout_s))
+        req = build(SenderWait, _normalize({"room": room, "timeout_s": timeout_s}))
+        return _status(self.request(req, timeout_s + self.timeout_s))
 
     def abort(self, room: int, reason: str = "") -> RoomStatus:
-        return RoomStatus.from_wire(self.call("abort", room=room, reason=reason))
+        return _status(self.request(build(SenderAbort, _normalize({"room": room, "reason": reason}))))
 
-    def submit_many(self, chunks: list[dict[str, Any]]) -> list[RoomStatus | TransferdError]:
-        """Several :meth:`submit` calls (each a dict of its keyword arguments) in one round trip."""
-        calls = []
-        for c in chunks:
-            call: dict[str, Any] = {"op": "submit", "room": c["room"], "start": c.get("start", 0),
-                                    "src_pages": _pages(c["src_pages"]), "last": bool(c.get("last", False))}
-            if c.get("state"):
-                call["state"] = {k: _pages(v) for k, v in c["state"].items()}
-            if c.get("aux_slot") is not None:
-                call["aux_slot"] = int(c["aux_slot"])
-            calls.append(call)
-        return _statuses(self.batch(calls))
-
-
-def _statuses(results: list[Any]) -> list[RoomStatus | TransferdError]:
-    return [r if isinstance(r, TransferdError) else RoomStatus.from_wire(r) for r in results]
+    def submit_many(self, chunks: Sequence[Submit | Mapping[str, Any]]) -> list[RoomStatus | TransferdError]:
+        """Several :meth:`submit` calls in one round trip, each a :class:`Submit` or a dict of
+        :meth:`submit`'s keyword arguments. A chunk whose arguments are refused before sending
+        gets its :class:`~transferd.errors.BadRequest` in its place; the others are sent."""
+        return _statuses(self._batched(_requests(Submit, chunks)))
 
 
 class DecodeClient(_Client):
@@ -138,41 +206,36 @@ class DecodeClient(_Client):
 
     def expect(self, room: int, group: str, dst_pages: Rows, *, aux_slot: int, prefix_pages: int = 0,
                state: Mapping[str, Rows] | None = None) -> RoomStatus:
-        args: dict[str, Any] = {"room": room, "group": group, "dst_pages": _pages(dst_pages),
-                                "prefix_pages": prefix_pages, "aux_slot": int(aux_slot)}
-        if state:
-            args["state"] = {k: _pages(v) for k, v in state.items()}
-        return RoomStatus.from_wire(self.call("expect", **args))
+        req = build(Expect, _normalize(dict(room=room, group=group, dst_pages=dst_pages, aux_slot=aux_slot,
+                                            prefix_pages=prefix_pages, state=state)))
+        return _status(self.request(req))
 
     def poll(self, room: int, group: str) -> RoomStatus:
-        return RoomStatus.from_wire(self.call("poll", room=room, group=group))
+        return _status(self.request(build(ReceiverPoll, _normalize({"room": room, "group": group}))))
 
     def wait(self, room: int, group: str, timeout_s: float = 60.0) -> RoomStatus:
-        return RoomStatus.from_wire(self.call("wait", timeout_s + self.timeout_s, room=room, group=group, timeout_s=timeout_s))
+        req = build(ReceiverWait, _normalize({"room": room, "group": group, "timeout_s": timeout_s}))
+        return _status(self.request(req, timeout_s + self.timeout_s))
 
     def abort(self, room: int, group: str, reason: str = "") -> RoomStatus:
         """Once this returns, no further byte of the room is written to the decode pool."""
-        return RoomStatus.from_wire(self.call("abort", room=room, group=group, reason=reason))
+        return _status(self.request(build(ReceiverAbort, _normalize({"room": room, "group": group, "reason": reason}))))
 
     def release(self, room: int, group: str) -> RoomStatus:
-        return RoomStatus.from_wire(self.call("release", room=room, group=group))
+        return _status(self.request(build(Release, _normalize({"room": room, "group": group}))))
 
-    def expect_many(self, rooms: list[dict[str, Any]]) -> list[RoomStatus | TransferdError]:
-        """Several :meth:`expect` calls (each a dict of its keyword arguments) in one round trip."""
-        calls = []
-        for r in rooms:
-            call: dict[str, Any] = {"op": "expect", "room": r["room"], "group": r["group"],
-                                    "dst_pages": _pages(r["dst_pages"]), "prefix_pages": r.get("prefix_pages", 0),
-                                    "aux_slot": int(r["aux_slot"])}
-            if r.get("state"):
-                call["state"] = {k: _pages(v) for k, v in r["state"].items()}
-            calls.append(call)
-        return _statuses(self.batch(calls))
+    def expect_many(self, rooms: Sequence[Expect | Mapping[str, Any]]) -> list[RoomStatus | TransferdError]:
+        """Several :meth:`expect` calls in one round trip, each an :class:`Expect` or a dict of
+        :meth:`expect`'s keyword arguments. A room whose arguments are refused before sending
+        gets its :class:`~transferd.errors.BadRequest` in its place; the others are sent."""
+        return _statuses(self._batched(_requests(Expect, rooms)))
 
     def wait_many(self, rooms: list[tuple[int, str]], timeout_s: float = 60.0) -> list[RoomStatus | TransferdError]:
         """Wait for many rooms at once: answered when every one has ended or its timeout passed."""
-        calls = [{"op": "wait", "room": room, "group": group, "timeout_s": timeout_s} for room, group in rooms]
-        return _statuses(self.batch(calls, timeout_s + self.timeout_s))
+        items = builds(ReceiverWait, [_normalize({"room": room, "group": group, "timeout_s": timeout_s})
+                                      for room, group in rooms])
+        return _statuses(self._batched(items, timeout_s + self.timeout_s))
 
     def release_many(self, rooms: list[tuple[int, str]]) -> list[RoomStatus | TransferdError]:
-        return _statuses(self.batch([{"op": "release", "room": room, "group": group} for room, group in rooms]))
+        items = builds(Release, [_normalize({"room": room, "group": group}) for room, group in rooms])
+        return _statuses(self._batched(items))

@@ -1,11 +1,44 @@
-"""Validation of engine requests arriving on the local API socket (pure)."""
+"""The local engine API's wire: typed requests and replies, their strict decoder, the batch rules
+and the API version (pure; docs/PROTOCOL.md §17 describes the same format in prose).
+
+A request is one msgpack map ``{"id": any, "v": LOCAL_API_VERSION, "op": str, ...fields}``; a
+reply is ``{"id": echoed, "v": LOCAL_API_VERSION, "ok": true, "result": value}`` or ``{"id", "v",
+"ok": false, "code": str, "error": str}``. Each op is a frozen dataclass below whose fields are
+the request's fields; :func:`parse_request` checks every one of them (types, bounds, unknown
+fields) before a daemon acts on it. :data:`RECEIVER_OPS` and :data:`SENDER_OPS` say which ops each
+daemon serves; an op of the other daemon is an unknown op there.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
 
-from ..errors import BadRequest
+import msgpack
 
+from ..errors import BadRequest, DecodeError, TransferdError, VersionMismatch, error_from_code
+from .room import RoomRequest, RoomStatus
+
+# Incompatible changes bump this; a request or reply of another version is refused.
+# History:
+#   1 — first version; defined but never sent (a map without "v" reads as version 1).
+#   2 — "v" sent in every request and reply and checked; requests decoded strictly (unknown
+#       fields, a non-bool "last", a non-number "timeout_s", a non-str "reason" are refused).
+LOCAL_API_VERSION = 2
+
+MAX_BATCH = 65536
+"""The most calls one ``batch`` request may hold."""
+
+ROW_LIMIT = 1 << 62
+"""Page and slot indices are below this (any pool's row count is)."""
+
+_UNVERSIONED = 1
+"""The version a map without ``"v"`` is read as: version 1 never sent one."""
+
+
+# -- field checks (their messages are part of the API: tests and PROTOCOL.md quote them) ---------
 
 def u64(v: Any, what: str) -> int:
     if type(v) is not int or not 0 <= v < 1 << 64:
@@ -17,9 +50,6 @@ def nonempty_str(v: Any, what: str) -> str:
     if not isinstance(v, str) or not v:
         raise BadRequest(f"{what} must be a non-empty string, not {v!r}")
     return v
-
-
-ROW_LIMIT = 1 << 62
 
 
 def ints(v: Any, what: str) -> tuple[int, ...]:
@@ -38,3 +68,432 @@ def slot_map(v: Any, what: str) -> dict[str, tuple[int, ...]]:
     if not isinstance(v, dict):
         raise BadRequest(f"{what} must map state component names to slot lists")
     return {nonempty_str(k, f"{what} component"): ints(x, f"{what}[{k}]") for k, x in v.items()}
+
+
+def optional_u64(v: Any, what: str) -> int | None:
+    return None if v is None else u64(v, what)
+
+
+def boolean(v: Any, what: str) -> bool:
+    if type(v) is not bool:
+        raise BadRequest(f"{what} must be true or false, not {v!r}")
+    return v
+
+
+def seconds(v: Any, what: str) -> float:
+    if not ((type(v) is int and 0 <= v < 1 << 64) or (type(v) is float and math.isfinite(v) and v >= 0)):
+        raise BadRequest(f"{what} must be a finite non-negative number of seconds, not {v!r}")
+    return float(v)
+
+
+def text(v: Any, what: str) -> str:
+    if not isinstance(v, str):
+        raise BadRequest(f"{what} must be a string, not {v!r}")
+    return v
+
+
+class UnknownOp(BadRequest):
+    """An op this daemon does not serve (code ``bad_request``, counted as ``engine_unknown_op``)."""
+
+
+# -- requests -------------------------------------------------------------------------------
+
+Check = Callable[[Any, str], Any]
+R = TypeVar("R", bound="Request")
+
+
+def _field(check: Check, **default: Any) -> Any:
+    """A request field decoded by ``check(value, name)``; ``default`` makes it optional."""
+    return field(metadata={"check": check}, **default)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """Base of every request. ``op`` names it on the wire; the fields are its wire fields."""
+
+    op: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        """The request's fields (without ``id``, ``v`` and ``op``), every one of them."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls: type[R], d: Mapping[Any, Any], envelope: frozenset[str] = frozenset()) -> R:
+        """Decode and check the fields of ``d`` (which may also hold the ``envelope`` keys).
+        Raises :class:`BadRequest` naming the first field that is unknown, missing or wrong."""
+        specs = _specs(cls)
+        for k in d:
+            if k not in specs and k not in envelope:
+                raise BadRequest(f"{cls.op}: unknown field {k!r}")
+        args: dict[str, Any] = {}
+        for name, (check, default) in specs.items():
+            if name in d:
+                args[name] = check(d[name], name)
+            elif default is MISSING:
+                raise BadRequest(f"{cls.op}: {name!r} is required")
+            else:
+                args[name] = default() if callable(default) else default
+        return cls(**args)
+
+
+_SPECS: dict[type[Request], dict[str, tuple[Check, Any]]] = {}
+
+
+def _specs(cls: type[Request]) -> dict[str, tuple[Check, Any]]:
+    """Per field of ``cls``, in declaration order (the order checks run): its check and its
+    default (``MISSING`` when required; a callable is a factory)."""
+    spec = _SPECS.get(cls)
+    if spec is None:
+        spec = {f.name: (f.metadata["check"], f.default_factory if f.default is MISSING else f.default)
+                for f in fields(cls)}
+        _SPECS[cls] = spec
+    return spec
+
+
+# prefill engine → sender ----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submit(Request):
+    """Queue one chunk of a room: source pages for positions ``[start, start + len)``."""
+
+    op: ClassVar[str] = "submit"
+    room: int = _field(u64)
+    start: int = _field(u64, default=0)
+    src_pages: tuple[int, ...] = _field(ints)
+    last: bool = _field(boolean, default=False)
+    state: dict[str, tuple[int, ...]] = field(default_factory=dict, metadata={"check": slot_map})
+    aux_slot: int | None = _field(optional_u64, default=None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SenderPoll(Request):
+    op: ClassVar[str] = "poll"
+    room: int = _field(u64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SenderWait(Request):
+    op: ClassVar[str] = "wait"
+    room: int = _field(u64)
+    timeout_s: float = _field(seconds, default=60.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SenderAbort(Request):
+    op: ClassVar[str] = "abort"
+    room: int = _field(u64)
+    reason: str = _field(text, default="")
+
+
+# decode engine → receiver ---------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expect(Request):
+    """Destinations for a room coming from ``group`` (checked against the pool by the receiver)."""
+
+    op: ClassVar[str] = "expect"
+    room: int = _field(u64)
+    group: str = _field(nonempty_str)
+    dst_pages: tuple[int, ...] = _field(ints)
+    prefix_pages: int = _field(u64, default=0)
+    state: dict[str, tuple[int, ...]] = field(default_factory=dict, metadata={"check": slot_map})
+    aux_slot: int = _field(u64)
+
+    def room_request(self) -> RoomRequest:
+        return RoomRequest(room=self.room, group=self.group, dst_pages=self.dst_pages, prefix=self.prefix_pages,
+                           state=dict(self.state), aux_slot=self.aux_slot)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverPoll(Request):
+    op: ClassVar[str] = "poll"
+    group: str = _field(nonempty_str)
+    room: int = _field(u64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverWait(Request):
+    op: ClassVar[str] = "wait"
+    group: str = _field(nonempty_str)
+    room: int = _field(u64)
+    timeout_s: float = _field(seconds, default=60.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverAbort(Request):
+    op: ClassVar[str] = "abort"
+    group: str = _field(nonempty_str)
+    room: int = _field(u64)
+    reason: str = _field(text, default="")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Release(Request):
+    op: ClassVar[str] = "release"
+    group: str = _field(nonempty_str)
+    room: int = _field(u64)
+
+
+# either daemon -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Stats(Request):
+    op: ClassVar[str] = "stats"
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Request):
+    op: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Request):
+    op: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True, slots=True)
+class Batch(Request):
+    """Many calls in one round trip, answered together with one reply per call. A call that did
+    not decode is kept, in its place, as the error it is answered with."""
+
+    op: ClassVar[str] = "batch"
+    calls: tuple[Request | TransferdError, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        out = []
+        for c in self.calls:
+            if not isinstance(c, Request):
+                raise TypeError(f"a batch to send holds requests only, not {c!r}")
+            out.append(call_map(c))
+        return {"calls": out}
+
+
+def _ops(*classes: type[Request]) -> dict[str, type[Request]]:
+    return {c.op: c for c in classes}
+
+
+RECEIVER_OPS: Mapping[str, type[Request]] = _ops(
+    Expect, ReceiverPoll, ReceiverWait, ReceiverAbort, Release, Stats, Status, Ping)
+"""The ops a receiver serves (besides ``batch``)."""
+
+SENDER_OPS: Mapping[str, type[Request]] = _ops(Submit, SenderPoll, SenderWait, SenderAbort, Stats, Status, Ping)
+"""The ops a sender serves (besides ``batch``)."""
+
+BATCHABLE: frozenset[str] = frozenset(RECEIVER_OPS) | frozenset(SENDER_OPS)
+"""Every op but ``batch`` may be a call of a batch (batches do not nest)."""
+
+_TOP = frozenset({"id", "v", "op"})
+_CALL = frozenset({"v", "op"})
+
+
+def _version_of(d: Mapping[Any, Any]) -> str:
+    """How a map's ``"v"`` reads in a refusal: absent is version 1, which sent none."""
+    return f'{_UNVERSIONED} (no "v")' if "v" not in d else repr(d["v"])
+
+
+def _check_version(d: Mapping[Any, Any]) -> None:
+    v = d.get("v", _UNVERSIONED)
+    if type(v) is not int or v != LOCAL_API_VERSION:
+        raise VersionMismatch(f"engine API version {_version_of(d)} from the client; "
+                              f"this daemon speaks {LOCAL_API_VERSION}")
+
+
+def _unknown_op(op: Any, served: Mapping[str, type[Request]]) -> UnknownOp:
+    return UnknownOp(f"unknown op {op!r}; known: batch, {', '.join(sorted(served))}")
+
+
+def parse_request(obj: Any, served: Mapping[str, type[Request]]) -> Request:
+    """Decode one request map (already unpacked) for a daemon serving ``served``
+    (:data:`RECEIVER_OPS` or :data:`SENDER_OPS`).
+
+    Raises :class:`DecodeError` (not a map, no str ``op``), :class:`VersionMismatch` (``"v"``
+    absent or not :data:`LOCAL_API_VERSION`), :class:`UnknownOp`, or :class:`BadRequest` (a field).
+    A ``batch`` whose ``calls`` are well formed is returned even when some calls are not: each
+    such call is its error in :attr:`Batch.calls`.
+    """
+    if not isinstance(obj, dict):
+        raise DecodeError("malformed request: request must be a map with a string 'op'")
+    _check_version(obj)
+    op = obj.get("op")
+    if not isinstance(op, str):
+        raise DecodeError("malformed request: request must be a map with a string 'op'")
+    if op == Batch.op:
+        return _parse_batch(obj, served)
+    cls = served.get(op)
+    if cls is None:
+        raise _unknown_op(op, served)
+    return cls.from_wire(obj, _TOP)
+
+
+def _parse_batch(obj: dict[Any, Any], served: Mapping[str, type[Request]]) -> Batch:
+    calls = obj.get("calls")
+    if not isinstance(calls, list) or len(calls) > MAX_BATCH or not all(isinstance(c, dict) for c in calls):
+        raise BadRequest(f"batch: 'calls' must be a list of at most {MAX_BATCH} request maps")
+    for k in obj:
+        if k not in _TOP and k != "calls":
+            raise BadRequest(f"batch: unknown field {k!r}")
+    return Batch(tuple(_parse_call(c, served) for c in calls))
+
+
+def _parse_call(c: dict[Any, Any], served: Mapping[str, type[Request]]) -> Request | TransferdError:
+    """One call of a batch: its request, or the error it is answered with. A call inherits the
+    batch's version; one that names a version itself must name the same."""
+    try:
+        if "v" in c:
+            _check_version(c)
+        op = c.get("op")
+        if op == Batch.op:
+            raise BadRequest("batches do not nest")
+        cls = served.get(op) if isinstance(op, str) else None
+        if cls is None:
+            raise _unknown_op(op, served)
+        return cls.from_wire(c, _CALL)
+    except TransferdError as exc:
+        return exc
+
+
+def call_map(req: Request) -> dict[str, Any]:
+    """A request as a call of a batch: ``{"op", ...fields}``."""
+    return {"op": req.op, **req.to_wire()}
+
+
+def request_map(rid: Any, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The map a client sends: ``{"id", "v", "op", ...args}`` (``args`` as given, unchecked)."""
+    return {"id": rid, "v": LOCAL_API_VERSION, "op": op, **args}
+
+
+def encode_request(rid: Any, req: Request) -> bytes:
+    return _pack(request_map(rid, req.op, req.to_wire()))
+
+
+def decode_request(body: bytes, served: Mapping[str, type[Request]]) -> tuple[Any, Request | TransferdError]:
+    """One request frame: its ``id`` (echoed in the reply; None when the frame is not a map) and
+    its request, or the error it is answered with. Never raises a :class:`TransferdError`."""
+    try:
+        obj = msgpack.unpackb(body, raw=False)
+    except Exception as exc:
+        return None, DecodeError(f"malformed request: {exc}")
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    try:
+        return rid, parse_request(obj, served)
+    except TransferdError as exc:
+        return rid, exc
+    except (TypeError, ValueError, OverflowError) as exc:  # never a crash, whatever the map holds
+        return rid, DecodeError(f"malformed request: {type(exc).__name__}: {exc}")
+
+
+# -- replies ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Ok:
+    """A request's result: a room status, or a map (stats, status, ping), as its handler made it."""
+
+    result: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request that failed: the error's stable ``code`` and its message."""
+
+    code: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: TransferdError) -> Refusal:
+        return cls(exc.code, str(exc))
+
+    def error(self) -> TransferdError:
+        """The error this refusal stands for (by code; an unknown code is a TransferdError)."""
+        return error_from_code(self.code, self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReply:
+    """The answer to a batch: one reply per call, in order."""
+
+    replies: tuple[Ok | Refusal, ...]
+
+
+Reply = Ok | Refusal | BatchReply
+
+
+def _result_wire(result: Any) -> Any:
+    return result.to_wire() if isinstance(result, RoomStatus) else result
+
+
+def reply_body(reply: Reply) -> dict[str, Any]:
+    """``{"ok": true, "result"}`` or ``{"ok": false, "code", "error"}`` (a batch call's reply)."""
+    if isinstance(reply, Ok):
+        return {"ok": True, "result": _result_wire(reply.result)}
+    if isinstance(reply, Refusal):
+        return {"ok": False, "code": reply.code, "error": reply.message}
+    return {"ok": True, "result": [reply_body(r) for r in reply.replies]}
+
+
+def encode_reply(rid: Any, reply: Reply) -> bytes:
+    return _pack({"id": rid, "v": LOCAL_API_VERSION, **reply_body(reply)})
+
+
+def decode_reply(body: bytes) -> tuple[Any, Ok | Refusal]:
+    """A reply frame: its ``id`` and its outcome (a batch's result is a list of reply maps; see
+    :func:`batch_replies`). A reply of another version is a ``version`` refusal, except a daemon's
+    own ``version`` refusal, which is read whatever its ``"v"`` (its shape is the same in every
+    version); a frame that is not a reply at all raises :class:`DecodeError`."""
+    try:
+        obj = msgpack.unpackb(body, raw=False)
+    except Exception as exc:
+        raise DecodeError(f"malformed engine API reply: {exc}") from None
+    if not isinstance(obj, dict):
+        raise DecodeError(f"malformed engine API reply: {type(obj).__name__}, not a map")
+    rid = obj.get("id")
+    v = obj.get("v", _UNVERSIONED)
+    if obj.get("ok") is False and obj.get("code") == VersionMismatch.code:
+        return rid, _outcome(obj)  # a version refusal reads the same in every version
+    if type(v) is not int or v != LOCAL_API_VERSION:
+        return rid, Refusal(VersionMismatch.code, f"engine API version {_version_of(obj)} from the daemon; "
+                                                  f"this client speaks {LOCAL_API_VERSION}")
+    return rid, _outcome(obj)
+
+
+def _outcome(obj: Mapping[Any, Any]) -> Ok | Refusal:
+    ok = obj.get("ok")
+    if ok is True:
+        return Ok(obj.get("result"))
+    if ok is False:
+        return Refusal(str(obj.get("code", "error")), str(obj.get("error", "unknown error")))
+    raise DecodeError(f"malformed engine API reply: 'ok' is {ok!r}")
+
+
+def batch_replies(result: Any) -> list[Ok | Refusal]:
+    """The per-call replies in a batch's result."""
+    if not isinstance(result, list) or not all(isinstance(r, dict) for r in result):
+        raise DecodeError("malformed engine API reply: a batch's result must be a list of reply maps")
+    return [_outcome(r) for r in result]
+
+
+def build(cls: type[R], args: Mapping[str, Any]) -> R:
+    """A request from keyword arguments, checked exactly as the daemon checks it (a client builds
+    its requests this way, so a bad one is refused before it is sent, with the same message)."""
+    return cls.from_wire(args)
+
+
+def builds(cls: type[R], items: Sequence[R | Mapping[str, Any]]) -> list[R | TransferdError]:
+    """:func:`build` for many: each item a ``cls`` already, or its keyword arguments (whose error
+    takes its place)."""
+    out: list[R | TransferdError] = []
+    for item in items:
+        if isinstance(item, cls):
+            out.append(item)
+            continue
+        try:
+            if not isinstance(item, Mapping):
+                raise BadRequest(f"{cls.op}: expected a {cls.__name__} or a map of its fields, not {item!r}")
+            out.append(cls.from_wire(item))
+        except TransferdError as exc:
+            out.append(exc)
+    return out
+
+
+def _pack(obj: Any) -> bytes:
+    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    return data

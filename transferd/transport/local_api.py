@@ -1,41 +1,86 @@
-"""The engine-facing socket of each daemon (see :mod:`transferd.protocol.engine_api` for the
-requests, replies and their checks)."""
+"""The engine-facing socket of each daemon: framing and dispatch. The requests, replies, their
+checks and the batch rules are :mod:`transferd.protocol.engine_api`; what each op does is the
+role's handler table (``transferd.receiver.api.handlers``, ``transferd.sender.api.handlers``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import msgpack
 import zmq
 
 from ..errors import TransferdError
+from ..protocol.engine_api import (
+    MAX_BATCH,
+    RECEIVER_OPS,
+    SENDER_OPS,
+    Batch,
+    BatchReply,
+    Ok,
+    Refusal,
+    Reply,
+    Request,
+    UnknownOp,
+    call_map,
+    decode_request,
+    encode_reply,
+)
 from .loop_socket import LoopSocket, configure, ipc_path, prepare_ipc, restrict_ipc
 
 log = logging.getLogger(__name__)
 
 MAX_LOCAL_REQUEST_BYTES = 64 * 1024 * 1024
-MAX_BATCH = 65536
+
+__all__ = ["MAX_BATCH", "MAX_LOCAL_REQUEST_BYTES", "Handler", "HandlerTable", "LocalApiServer"]
+
+Handler = Callable[[Any], Any]
+"""Runs one typed request (its exact :class:`Request` subclass): returns the result (a
+:class:`~transferd.protocol.room.RoomStatus` or a msgpack-able value), or an awaitable of it."""
+
+HandlerTable = Mapping[type[Request], Handler]
+"""A daemon's ops: request class → handler. Its classes must be one role's (``RECEIVER_OPS`` or
+``SENDER_OPS`` values); the ops it holds are the ops served, every other op is unknown."""
 
 
-Handler = Callable[[dict[str, Any]], Any]
+def _typed(handlers: Mapping[Any, Handler]) -> dict[type[Request], Handler]:
+    """The handler table, from a typed one or from a table of the old form (op name → handler
+    taking the request map), whose ops must all be one role's.
+
+    The old form is kept while the agents move to ``api.handlers(self)``: its handlers get the
+    checked request as a map (``{"op", ...every field}``), so they see only what the typed
+    decoder let through."""
+    if all(isinstance(k, type) and issubclass(k, Request) for k in handlers):
+        return dict(handlers)
+    names = set(handlers)
+    role = next((ops for ops in (RECEIVER_OPS, SENDER_OPS) if names <= set(ops)), None)
+    if role is None:
+        raise ValueError(f"engine API handlers {sorted(map(str, names))} are not one role's ops")
+
+    def legacy(fn: Handler) -> Handler:
+        return lambda req: fn(call_map(req))
+
+    return {role[name]: legacy(fn) for name, fn in handlers.items()}
 
 
 class LocalApiServer:
     """The engine-facing socket: a ROUTER on a private ``ipc://`` (or loopback tcp) endpoint.
 
-    Requests are one msgpack map ``{"id": int, "op": str, ...}``; every reply is
-    ``{"id", "ok": true, "result"}`` or ``{"id", "ok": false, "code", "error"}``. Handlers run on
-    the event loop; a handler may return an awaitable (for ``wait``), answered when it finishes.
+    Each request is one msgpack frame, decoded and checked by :mod:`~transferd.protocol.engine_api`
+    (its version included), then run by the handler of its type on the event loop; a handler may
+    return an awaitable (for ``wait``), answered when it finishes. Every refusal is answered with a
+    code and a message, and counted in ``refused["engine_<code>"]`` (``engine_unknown_op`` for an
+    op this daemon does not serve).
     """
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, handlers: dict[str, Handler], name: str,
-                 refused: Counter[str] | None = None) -> None:
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, handlers: HandlerTable | Mapping[str, Handler],
+                 name: str, refused: Counter[str] | None = None) -> None:
         self.endpoint = endpoint
-        self.handlers = handlers
+        self.handlers = _typed(handlers)
+        self.ops: dict[str, type[Request]] = {cls.op: cls for cls in self.handlers}
+        """The ops served, by name (what the decoder accepts)."""
         self.name = name
         prepare_ipc(endpoint)
         self.sock = ctx.socket(zmq.ROUTER)
@@ -60,22 +105,15 @@ class LocalApiServer:
             log.warning("%s: engine request with %d frames refused", self.name, len(frames))
             return
         ident, body = frames
-        try:
-            req = msgpack.unpackb(body, raw=False)
-            if not isinstance(req, dict) or not isinstance(req.get("op"), str):
-                raise TransferdError("request must be a map with a string 'op'")
-        except Exception as exc:
-            self.refused["engine_decode"] += 1
-            log.warning("%s: malformed engine request refused: %s", self.name, exc)
-            self._reply(ident, {"id": None, "ok": False, "code": "decode", "error": f"malformed request: {exc}"})
-            return
-        rid = req.get("id")
-        if req["op"] == "batch":
-            outcome = self._batch(req)
+        rid, req = decode_request(body, self.ops)
+        if isinstance(req, TransferdError):
+            if req.code in ("decode", "version"):
+                log.warning("%s: engine request refused: %s", self.name, req)
+            outcome: Reply | Awaitable[Reply] = self._refuse(req)
         else:
-            outcome = self._dispatch(req)
-        if isinstance(outcome, dict):
-            self._reply(ident, {"id": rid, **outcome})
+            outcome = self._run(req)
+        if isinstance(outcome, (Ok, Refusal, BatchReply)):
+            self._answer(ident, rid, outcome)
         else:  # an awaitable (wait, or a batch holding one): answered when it finishes
             self._spawn(self._finish(ident, rid, outcome))
 
@@ -84,63 +122,69 @@ class LocalApiServer:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _dispatch(self, req: dict[str, Any]) -> dict[str, Any] | Awaitable[dict[str, Any]]:
-        """Run one request: a reply body (``ok`` and ``result``, or ``code`` and ``error``), or an
-        awaitable of one. Never raises: a bug in one request must not take the daemon down."""
-        op = req.get("op")
-        handler = self.handlers.get(op) if isinstance(op, str) else None
-        if handler is None or not isinstance(op, str):
-            self.refused["engine_unknown_op"] += 1
-            return {"ok": False, "code": "bad_request",
-                    "error": f"unknown op {op!r}; known: batch, {', '.join(sorted(self.handlers))}"}
+    def _run(self, req: Request) -> Reply | Awaitable[Reply]:
+        if isinstance(req, Batch):
+            return self._batch(req)
+        return self._dispatch(req)
+
+    def _refuse(self, exc: TransferdError) -> Refusal:
+        self.refused["engine_unknown_op" if isinstance(exc, UnknownOp) else f"engine_{exc.code}"] += 1
+        return Refusal.of(exc)
+
+    def _dispatch(self, req: Request) -> Ok | Refusal | Awaitable[Ok | Refusal]:
+        """Run one request: its reply, or an awaitable of it. Never raises: a bug in one request
+        must not take the daemon down."""
         try:
-            result = handler(req)
+            result = self.handlers[type(req)](req)
         except Exception as exc:
-            return self._error(op, exc)
+            return self._error(req.op, exc)
         if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-            return self._settle(op, result)
-        return {"ok": True, "result": result}
+            return self._settle(req.op, result)
+        return Ok(result)
 
-    async def _settle(self, op: str, aw: Awaitable[Any]) -> dict[str, Any]:
+    async def _settle(self, op: str, aw: Awaitable[Any]) -> Ok | Refusal:
         try:
-            return {"ok": True, "result": await aw}
+            return Ok(await aw)
         except Exception as exc:
             return self._error(op, exc)
 
-    def _error(self, op: str, exc: Exception) -> dict[str, Any]:
+    def _error(self, op: str, exc: Exception) -> Refusal:
         if isinstance(exc, TransferdError):
-            self.refused[f"engine_{exc.code}"] += 1
-            return {"ok": False, "code": exc.code, "error": str(exc)}
+            return self._refuse(exc)
         if isinstance(exc, (KeyError, TypeError, ValueError, OverflowError)):
             self.refused["engine_bad_request"] += 1
-            return {"ok": False, "code": "bad_request", "error": f"{op}: bad arguments: {type(exc).__name__}: {exc}"}
+            return Refusal("bad_request", f"{op}: bad arguments: {type(exc).__name__}: {exc}")
         log.error("%s: engine request %r failed", self.name, op, exc_info=exc)
-        return {"ok": False, "code": "internal", "error": f"{op}: internal error: {type(exc).__name__}: {exc}"}
+        return Refusal("internal", f"{op}: internal error: {type(exc).__name__}: {exc}")
 
-    def _batch(self, req: dict[str, Any]) -> dict[str, Any] | Awaitable[dict[str, Any]]:
-        """``{"op": "batch", "calls": [request, …]}``: every call in order, one reply holding a
-        list of per-call replies (a batch of waits answers when the last one does)."""
-        calls = req.get("calls")
-        if not isinstance(calls, list) or len(calls) > MAX_BATCH or not all(isinstance(c, dict) for c in calls):
-            return {"ok": False, "code": "bad_request",
-                    "error": f"batch: 'calls' must be a list of at most {MAX_BATCH} request maps"}
-        outcomes = [self._dispatch(c) if c.get("op") != "batch" else
-                    {"ok": False, "code": "bad_request", "error": "batches do not nest"} for c in calls]
-        if all(isinstance(o, dict) for o in outcomes):
-            return {"ok": True, "result": outcomes}
+    def _batch(self, batch: Batch) -> BatchReply | Awaitable[BatchReply]:
+        """Every call in order, one reply holding a reply per call (a call that did not decode is
+        refused alone; a batch of waits answers when the last one does)."""
+        outcomes = [self._refuse(c) if isinstance(c, TransferdError) else self._dispatch(c) for c in batch.calls]
+        done: list[Ok | Refusal] = [o for o in outcomes if isinstance(o, (Ok, Refusal))]
+        if len(done) == len(outcomes):
+            return BatchReply(tuple(done))
 
-        async def gather() -> dict[str, Any]:  # the waits run concurrently, each with its own timeout
-            settled = iter(await asyncio.gather(*(o for o in outcomes if not isinstance(o, dict))))
-            return {"ok": True, "result": [o if isinstance(o, dict) else next(settled) for o in outcomes]}
+        async def gather() -> BatchReply:  # the waits run concurrently, each with its own timeout
+            settled = iter(await asyncio.gather(*(o for o in outcomes if not isinstance(o, (Ok, Refusal)))))
+            return BatchReply(tuple(o if isinstance(o, (Ok, Refusal)) else next(settled) for o in outcomes))
 
         return gather()
 
-    async def _finish(self, ident: bytes, rid: Any, aw: Awaitable[dict[str, Any]]) -> None:
-        self._reply(ident, {"id": rid, **(await aw)})
+    async def _finish(self, ident: bytes, rid: Any, aw: Awaitable[Reply]) -> None:
+        self._answer(ident, rid, await aw)
 
-    def _reply(self, ident: bytes, body: dict[str, Any]) -> None:
+    def _answer(self, ident: bytes, rid: Any, reply: Reply) -> None:
+        try:
+            body = encode_reply(rid, reply)
+        except Exception as exc:  # a handler's result msgpack cannot carry: a bug, not a crash
+            log.error("%s: engine reply could not be encoded", self.name, exc_info=exc)
+            body = encode_reply(rid, Refusal("internal", f"internal error: reply not encodable: {exc}"))
+        self._reply(ident, body)
+
+    def _reply(self, ident: bytes, body: bytes) -> None:
         """Answer at once; an engine whose pipe is full gets its answer when it reads again."""
-        frames = [ident, msgpack.packb(body, use_bin_type=True)]
+        frames = [ident, body]
         assert self.link is not None
         try:
             if not self.link.try_send(frames):
