@@ -153,12 +153,9 @@ class ZmqSender:
             await link.writable()
             if room.stopped:
                 return 0
-        await self._burst()
-        return SENT_ZMQ
-
-    async def _burst(self) -> None:
         env = self.env
         env.burst += 1
         if env.burst >= BURST:  # the pipe kept taking messages: give the loop a turn anyway
             env.burst = 0
             await asyncio.sleep(0)
+        return SENT_ZMQ
