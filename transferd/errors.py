@@ -1,10 +1,13 @@
-"""One error tree for transferd.
+"""One error tree for transferd, and the failure codes of rooms.
 
 Every failure that crosses a module boundary is a ``TransferdError``; each has a short stable
 ``code`` that reaches engines (over the local socket) and metrics alongside the message text.
+A room that fails carries a :class:`FailureCode` (on the wire, in the engine API, in metrics).
 """
 
 from __future__ import annotations
+
+from enum import Enum
 
 
 class TransferdError(Exception):
@@ -29,6 +32,12 @@ class PoolError(TransferdError):
     """A shared-memory pool cannot be created, attached or indexed."""
 
     code = "pool"
+
+
+class PoolMismatch(PoolError):
+    """The pool found under a name is not the one expected (its layout or its id differs)."""
+
+    code = "pool_mismatch"
 
 
 class IndexOutOfRange(PoolError):
@@ -63,26 +72,26 @@ class PeerError(TransferdError):
     code = "peer"
 
 
-class PeerRejected(PeerError):
-    code = "rejected"
+class StreamError(PeerError):
+    """A data stream could not be listened on or connected, or it was lost."""
 
-
-class PeerTimeout(PeerError):
-    code = "peer_timeout"
-
-
-class PeerGone(PeerError):
-    code = "peer_lost"
+    code = "stream"
 
 
 class TransferError(TransferdError):
-    """A room's transfer failed."""
+    """A room's transfer cannot go on."""
 
     code = "transfer"
 
 
-class RoomAborted(TransferError):
-    code = "aborted"
+class Refused(TransferError):
+    """A data message that must not be written (raised and caught inside the receiver's core;
+    ``code`` is the counted reason, which becomes the room's failure code)."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
 
 
 class BadRequest(TransferError):
@@ -99,10 +108,59 @@ class UnknownRoom(BadRequest):
     code = "unknown_room"
 
 
+class Draining(TransferError):
+    """The daemon is shutting down and takes no new rooms."""
+
+    code = "draining"
+
+
 class ClientTimeout(TransferdError):
     """The local daemon did not answer an engine request in time."""
 
     code = "client_timeout"
+
+
+class DaemonError(TransferdError):
+    """A daemon (or a tool's child process) did not start or stop as it should."""
+
+    code = "daemon"
+
+
+class FailureCode(str, Enum):
+    """Why a room failed: the ``code`` of a failed status, on the wire and in the engine API,
+    and the ``reason`` label of ``transferd_rooms{outcome="failed"}``. docs/PROTOCOL.md §11
+    describes each (a test holds the two together). A ``fail`` from a sender may carry a code
+    of its own: that code is kept as it came."""
+
+    # the decode side
+    ABORTED = "aborted"
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
+    WAITING_TIMEOUT = "waiting_timeout"
+    STALLED = "stalled"
+    PEER_LOST = "peer_lost"
+    PEER_RESTARTED = "peer_restarted"
+    INCOMPLETE = "incomplete"
+    UNEXPECTED = "unexpected"
+    NO_SHM = "no_shm"
+    INDEX_OUT_OF_RANGE = "index_out_of_range"
+    LENGTH_MISMATCH = "length_mismatch"
+    CHECKSUM = "checksum"
+    AUX_GUARD = "aux_guard"
+    AFTER_DONE = "after_done"
+    DUPLICATE = "duplicate"
+    PREFILL_FAILED = "prefill_failed"
+    SHUTDOWN = "shutdown"
+    # the prefill side
+    ASSIGN_TIMEOUT = "assign_timeout"
+    BAD_ASSIGN = "bad_assign"
+    BAD_CHUNK = "bad_chunk"
+    SEND_ERROR = "send_error"
+    ROOM_EXISTS = "room_exists"
+
+    __hash__ = str.__hash__  # equal to its string as a key too (Enum hashes by name)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 _BY_CODE: dict[str, type[TransferdError]] = {}

@@ -178,20 +178,18 @@ def _run(cluster: Cluster, link: Link) -> None:
     cluster.until(lambda: dc.poll(r.room, GROUP).state is RoomState.TRANSFERRING, "the first chunk to arrive",
                   rproc)
     link.cut()
-    t0 = time.monotonic()
+    # the deadline itself is pinned by tests/unit/test_receiver_core.py (a fake clock); here only
+    # a generous bound, so that a hang fails instead of waiting forever
     st = cluster.until(lambda: (s := dc.poll(r.room, GROUP)).state.terminal and s, "the room to fail", rproc,
                        timeout=CUT_DEADLINE_S + 5)
-    elapsed = time.monotonic() - t0
     assert st.state is RoomState.FAILED and st.code == "peer_lost", st
     assert re.search(rf"prefill {GROUP} rank [01]\b", st.reason), st.reason
     assert "missed heartbeats" in st.reason, st.reason
-    assert elapsed < CUT_DEADLINE_S, f"peer_lost after {elapsed:.1f}s, deadline {CUT_DEADLINE_S}s"
     # the prefill side gives the receiver up too and fails the room, without a timeout of its own
     for pc in pcs:
         sst = pc.wait(r.room, CUT_DEADLINE_S)
         assert sst.state is RoomState.FAILED and sst.code == "peer_lost", sst
         assert "decode0" in sst.reason, sst.reason
-    assert time.monotonic() - t0 < CUT_DEADLINE_S
     dc.release(r.room, GROUP)
 
     # 3. the link comes back: the senders register again by themselves, and a new room succeeds

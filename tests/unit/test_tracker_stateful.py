@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from transferd.errors import Refused
 from transferd.layout import ModelSpec, PoolLayout, StateComponent
-from transferd.protocol.room import CoverageTracker, Refused, RoomRequest
+from transferd.protocol.room import CoverageTracker, RoomRequest
 from transferd.types import SplitMode
 
 KV, STATE, AUX = 0, 1, 2

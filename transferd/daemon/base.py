@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 
 import zmq.asyncio
 
-from ..errors import TransferdError
+from ..errors import DaemonError, Draining
 from .notify import sd_notify, watchdog_interval_s
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class AgentBase:
 
     def refuse_if_draining(self) -> None:
         if self.draining:
-            raise TransferdError(f"{self.name} is shutting down and takes no new rooms")
+            raise Draining(f"{self.name} is shutting down and takes no new rooms")
 
     async def _start(self) -> None:
         raise NotImplementedError
@@ -186,7 +186,7 @@ class AgentThread:
     def start(self, timeout: float = 30.0) -> AgentThread:
         self.thread.start()
         if not self.agent.started.wait(timeout):
-            raise TimeoutError(f"{self.agent.name} did not start within {timeout}s")
+            raise DaemonError(f"{self.agent.name} did not start within {timeout}s")
         if self.error is not None:
             raise self.error
         return self
@@ -195,7 +195,7 @@ class AgentThread:
         self.agent.stop()
         self.thread.join(timeout)
         if self.thread.is_alive():
-            raise TimeoutError(f"{self.agent.name} did not stop within {timeout}s")
+            raise DaemonError(f"{self.agent.name} did not stop within {timeout}s")
         if self.error is not None:
             raise self.error
 

@@ -12,7 +12,7 @@ from enum import Enum
 
 import numpy as np
 
-from ..errors import BadRequest
+from ..errors import BadRequest, Refused
 from ..layout import KINDS, PoolLayout
 from ..types import SplitMode
 from .policy import RankPlan, group_plans
@@ -54,15 +54,6 @@ def advance(current: RoomStatus, new: RoomStatus) -> RoomStatus:
     if new.state is RoomState.FAILED:
         return new
     return new if _ORDER[new.state] > _ORDER[current.state] else current
-
-
-class Refused(Exception):
-    """A data frame that must not be written. ``code`` is the counted reason."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

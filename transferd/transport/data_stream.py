@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import TransferdError
+from ..errors import StreamError
 from ..protocol.stream import HELLO_BYTES, HELLO_TIMEOUT_S, PREFIX, hello, prefix_problem
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class StreamWriter:
         self.records = 0  # records handed to the kernel whole
 
     async def connect(self, host: str, port: int, key: bytes, timeout_s: float) -> None:
-        """Connect and send the hello; raises :class:`TransferdError` naming the address."""
+        """Connect and send the hello; raises :class:`StreamError` naming the address."""
         deadline = self.loop.time() + timeout_s
         try:
             infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -94,15 +94,15 @@ class StreamWriter:
                     if i == len(infos) - 1 or not isinstance(exc, OSError):
                         raise
         except (OSError, asyncio.TimeoutError) as exc:
-            raise TransferdError(f"data stream to {host}:{port}: {exc or 'connect timed out'}") from None
+            raise StreamError(f"data stream to {host}:{port}: {exc or 'connect timed out'}") from None
         if self.closed:
             sock.close()
-            raise TransferdError(f"{self.name}: data stream closed while connecting")
+            raise StreamError(f"{self.name}: data stream closed while connecting")
         self.sock = sock
         self.connected = True
         self.loop.add_reader(sock.fileno(), self._on_readable)
         if not self.try_write([hello(key)]):
-            raise TransferdError(f"data stream to {host}:{port}: {self.error}")
+            raise StreamError(f"data stream to {host}:{port}: {self.error}")
         self.records = 0  # the hello is not one
 
     def try_write(self, bufs: list[Any]) -> bool:
@@ -167,7 +167,7 @@ class StreamWriter:
     async def writable(self) -> None:
         """Wait until a record may be written (raises once the stream is lost or closed)."""
         if self.closed:
-            raise TransferdError(f"{self.name}: {self.error or 'data stream closed'}")
+            raise StreamError(f"{self.name}: {self.error or 'data stream closed'}")
         if not self.pending and self.connected:
             return
         fut: asyncio.Future[None] = self.loop.create_future()
@@ -192,7 +192,7 @@ class StreamWriter:
             self.sock.close()
         for w in self._waiters:
             if not w.done():
-                w.set_exception(TransferdError(f"{self.name}: {self.error or 'data stream closed'}"))
+                w.set_exception(StreamError(f"{self.name}: {self.error or 'data stream closed'}"))
         self._waiters.clear()
 
 
@@ -404,7 +404,7 @@ class StreamServer:
             self.sock.listen(128)
         except OSError as exc:
             self.sock.close()
-            raise TransferdError(f"data stream: cannot listen on {host}:{port}: {exc}") from None
+            raise StreamError(f"data stream: cannot listen on {host}:{port}: {exc}") from None
         self.sock.setblocking(False)
         self.port: int = self.sock.getsockname()[1]
         self.readers: set[StreamReader] = set()

@@ -19,6 +19,8 @@ from typing import Any
 
 import zmq
 
+from ..errors import TransferdError
+
 log = logging.getLogger(__name__)
 
 ZMQ_MSG_T_BYTES = 64  # sizeof(zmq_msg_t) in libzmq 4.x
@@ -71,7 +73,7 @@ class PoolSender:
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         lib = _load()
         if lib is None:
-            raise RuntimeError("libzmq is not reachable through ctypes here")
+            raise TransferdError("libzmq is not reachable through ctypes here (use zero_copy = \"pyzmq\")")
         self.lib = lib
         self.sock = sock
         self.handle = ctypes.c_void_p(sock.underlying)

@@ -1,0 +1,290 @@
+"""The receiver's inputs: messages from the ZeroMQ socket and records from data streams, each
+taken to the core for its verdict, and the rows the core accepts written into the decode pool
+through the peer's data plane."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from ..errors import TransferdError, VersionMismatch
+from ..protocol.messages import Data, DataBatch, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, decode_header
+from ..protocol.receiver_core import DecodeRoom, Peer
+from ..protocol.room import runs
+from ..protocol.stream import hello_key
+from ..transport.data_stream import StreamReader, Target
+from ..types import Kind, PlaneName
+from .planes import PayloadPlane, ReceiverPlane
+
+if TYPE_CHECKING:
+    from .agent import Receiver
+
+log = logging.getLogger(__name__)
+
+DIRECT_MIN_BYTES = 64 << 10  # stream payloads this large are read straight into the rows; smaller ones via a buffer
+
+
+class DataPath:
+    """Dispatch of what peers send, and the one path every data message's rows take:
+    the core's checks, the plane's checks, the claim, the write, "landed"."""
+
+    def __init__(self, rx: Receiver) -> None:
+        self.rx = rx
+        self.core = rx.core
+        self.acct = rx.acct
+        self.zmq = PayloadPlane(PlaneName.ZMQ, [b.row_bytes for b in rx.layout.buffers])
+        self.stream = PayloadPlane(PlaneName.STREAM, [b.row_bytes for b in rx.layout.buffers])
+        self._kind_of = [b.kind for b in rx.layout.buffers]
+
+    # -- the ZeroMQ socket ---------------------------------------------------------------------
+    def on_message(self, frames: list[zmq.Frame]) -> None:
+        rx = self.rx
+        frames_before = self.acct.frames
+        try:
+            self._on_frames(frames)
+        except Exception:  # a bug must not take the receiver down with every room
+            log.exception("%s: error while handling a message", rx.name)
+            self.acct.refused["internal_error"] += 1
+        if self.core.actions:
+            rx.act()
+        if rx.slow_s and self.acct.frames != frames_before:
+            rx.link.pause(rx.slow_s)  # fault injection: a slow decode side
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        core = self.core
+        ident = frames[0].bytes
+        if len(frames) < 2:
+            self.rx.refuse("malformed", "message without a header frame", ident)
+            return
+        try:
+            msg = decode_header(frames[1].buffer)
+        except TransferdError as exc:
+            register = isinstance(exc, VersionMismatch) and exc.msg_type == "register"
+            core.undecodable(ident, exc.code, str(exc), register=register)
+            return
+        now = time.monotonic()
+        peer = core.seen(ident, now)
+        if isinstance(msg, DataBatch):
+            if len(frames) != 2 + len(msg.entries):
+                self.rx.refuse("malformed", f"data-batch of {len(msg.entries)} entries with {len(frames) - 2} "
+                                            "payload frames", ident)
+                return
+            if peer is None:
+                core.unregistered(ident, "data", now)
+                return
+            for entry, frame in zip(msg.entries, frames[2:]):
+                self.data(peer, self.zmq, entry, frame.buffer, now)  # each exactly as a data message
+            return
+        if isinstance(msg, (Data, DataRef, DataRefs)):
+            want = 2 if isinstance(msg, DataRef) else 3
+            if len(frames) != want:
+                what = {Data: "data", DataRef: "data-ref", DataRefs: "data-refs"}[type(msg)]
+                self.rx.refuse("malformed", f"{what} message with {len(frames) - 2} payload frames, not {want - 2}",
+                               ident)
+                return
+            if peer is None:
+                core.unregistered(ident, "data", now)
+                return
+            payload = frames[2].buffer if want == 3 else None
+            if isinstance(msg, Data):
+                self.data(peer, self.zmq, msg, payload, now)
+            else:
+                self.refs(peer, msg, payload, now)
+            return
+        if len(frames) != 2:
+            self.rx.refuse("malformed", f"{type(msg).__name__} with {len(frames) - 1} frames, not 1", ident)
+            return
+        if isinstance(msg, Register):
+            self.rx.register(ident, msg, now)
+        elif peer is None:
+            core.unregistered(ident, type(msg).__name__, now)
+        elif isinstance(msg, Ping):
+            self.rx.send(ident, Pong(msg.seq))
+        elif isinstance(msg, Pong):
+            pass  # last_seen is already updated
+        elif isinstance(msg, Done):
+            core.done(peer, msg, now)
+        elif isinstance(msg, Fail):
+            core.fail(peer, msg, now)
+        else:
+            self.rx.refuse("unexpected_type", f"{type(msg).__name__} is not sent to a receiver", ident)
+
+    # -- one data message ----------------------------------------------------------------------
+    def refs(self, peer: Peer, msg: DataRef | DataRefs, payload: Any, now: float) -> None:
+        room = self.core.data_room(peer, msg, now)
+        if room is None:
+            return
+        plane = self.rx.plane_of(peer)
+        if plane is None or plane.name is not PlaneName.SAME_HOST:
+            self.core.reject(room, peer, "no_shm", f"data-ref rows of buffer {msg.buffer} but no same-host "
+                                                   "path was agreed", now)
+            return
+        self._rows(room, peer, plane, msg, payload, now)
+
+    def data(self, peer: Peer, plane: ReceiverPlane, msg: Any, payload: Any, now: float) -> None:
+        room = self.core.data_room(peer, msg, now)
+        if room is not None:
+            self._rows(room, peer, plane, msg, payload, now)
+
+    def _rows(self, room: DecodeRoom, peer: Peer, plane: ReceiverPlane, msg: Any, payload: Any, now: float) -> None:
+        core = self.core
+        src = plane.source(core, room, peer, msg, payload, now)
+        if src is None:
+            return
+        if msg.kind == Kind.AUX and not core.aux_ok(room, peer, plane.first_row(msg, src), now):
+            return
+        claimed = core.claim(room, peer, msg, now)
+        if claimed is None:
+            return
+        first, rows = claimed
+        assert self.rx.pool is not None
+        if plane.write(msg, self.rx.pool.rows[msg.buffer], first, rows, src):
+            self.landed(room, plane.name, msg.buffer, msg.count * core.row_bytes(msg.buffer), now)
+
+    def landed(self, room: DecodeRoom, how: PlaneName, buffer: int, nbytes: int, now: float) -> None:
+        """Rows of a room are in place: counted by the path they came, then the core's progress."""
+        self.acct.add(self._kind_of[buffer], nbytes)
+        if how is PlaneName.SAME_HOST:
+            self.acct.shm_bytes += nbytes
+        elif how is PlaneName.STREAM:
+            self.acct.stream_bytes += nbytes
+        self.core.landed(room, nbytes, now)
+
+    # -- data streams (transport/data_stream.py calls these) ----------------------------------
+    def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
+        key = hello_key(hello)
+        if key is None:
+            self.rx.refuse("stream_hello", f"data stream from {reader.addr} began {hello[:8]!r}, not a hello")
+            return False
+        peer = self.core.stream_opened(key, reader.addr)
+        if self.core.actions:
+            self.rx.act()
+        if peer is None:
+            return False
+        reader.peer = peer
+        self.rx.streams_of[id(peer)] = (peer, reader)
+        return True
+
+    def stream_closed(self, reader: StreamReader, reason: str) -> None:
+        peer: Peer | None = reader.peer
+        if peer is not None:
+            entry = self.rx.streams_of.get(id(peer))
+            if entry is not None and entry[1] is reader:
+                del self.rx.streams_of[id(peer)]
+                self.core.stream_closed(peer, reason, time.monotonic())
+                if self.core.actions:
+                    self.rx.act()
+        elif reason:
+            log.info("%s: %s", self.rx.name, reason)
+
+    def stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
+        """A record's header has arrived: check it and say where its payload goes (an empty
+        target drops the payload)."""
+        try:
+            return self._stream_record(reader, header, payload_len)
+        except Exception:  # a bug must not take the receiver down with every room; rows may have
+            # been claimed without their bytes: the stream ends, so that rank's rooms fail
+            log.exception("%s: error while handling a data stream record", self.rx.name)
+            self.acct.refused["internal_error"] += 1
+            reader.close(f"data stream from {reader.addr}: internal error")
+            return Target([])
+        finally:
+            if self.core.actions:
+                self.rx.act()
+
+    def _stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
+        peer: Peer | None = reader.peer
+        drop = Target([])
+        core = self.core
+        if peer is None or core.peers.get(peer.ident) is not peer:
+            return drop
+        now = time.monotonic()
+        peer.last_seen = now
+        try:
+            msg = decode_header(header)
+        except TransferdError as exc:
+            self.rx.refuse(exc.code, f"data stream: {exc}", peer.ident)
+            return drop
+        if isinstance(msg, Done):
+            if payload_len:
+                self.rx.refuse("malformed", f"done record with a {payload_len}-byte payload", peer.ident)
+            else:
+                core.done(peer, msg, now)
+            return drop
+        if not isinstance(msg, (Data, DataBatch)):
+            self.rx.refuse("unexpected_type", f"{type(msg).__name__} on a data stream (data, data-batch and done "
+                                              "only)", peer.ident)
+            return drop
+        entries = msg.entries if isinstance(msg, DataBatch) else (msg,)
+        n_buffers = len(self._kind_of)
+        sizes = [e.count * core.row_bytes(e.buffer) if e.buffer < n_buffers else -1 for e in entries]
+        if min(sizes) < 0 or sum(sizes) != payload_len:
+            room = core.data_room(peer, entries[0], now)  # refuses an unknown room or buffer by itself
+            if room is not None:
+                core.reject(room, peer, "length_mismatch", f"data stream record of {payload_len} payload "
+                                                           f"bytes for rows of {sum(sizes)} bytes", now)
+            return drop
+        if peer.checksum is None and payload_len >= DIRECT_MIN_BYTES and all(e.kind != Kind.AUX for e in entries):
+            return self._stream_direct(reader, peer, entries, sizes, now)
+        buf = reader.buffer(payload_len)  # this stream's own: records of several streams interleave
+
+        def deliver() -> None:  # then exactly as the same message from the ZeroMQ socket
+            at, o = time.monotonic(), 0
+            for entry, size in zip(entries, sizes):
+                self.data(peer, self.stream, entry, buf[o:o + size], at)
+                o += size
+            if self.core.actions:
+                self.rx.act()
+            self._after_data(reader)
+        return Target([buf[:payload_len]], deliver)
+
+    def _stream_direct(self, reader: StreamReader, peer: Peer, entries: tuple[Data, ...], sizes: list[int],
+                       now: float) -> Target:
+        """A large payload (one data entry, or a batch of them) is read straight into its
+        destination rows: every check first, the rows of every entry claimed in the tracker,
+        then the bytes; if the room ends while they arrive, the rest is dropped (the stream
+        reader asks before each read). An entry refused (the room failed, or the entry dropped)
+        drops the whole payload; the entries after it are counted as the ZeroMQ path counts them."""
+        core = self.core
+        assert self.rx.pool is not None
+        views: list[memoryview] = []
+        room: DecodeRoom | None = None
+        for i, msg in enumerate(entries):
+            room = core.data_room(peer, msg, now)
+            claimed = core.claim(room, peer, msg, now) if room is not None else None
+            if claimed is None:
+                for rest in entries[i + 1:]:
+                    core.data_room(peer, rest, now)
+                return Target([])
+            first, rows = claimed
+            dst = self.rx.pool.rows[msg.buffer]
+            if rows is None:
+                views.append(dst[first:first + msg.count].reshape(-1).data)
+            else:
+                views += [dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1).data for a, b in runs(rows, rows)]
+        assert room is not None
+        live, rank = room, peer.rank
+        core.stream_read(live, rank, +1)
+
+        def landed() -> None:
+            core.stream_read(live, rank, -1)
+            at = time.monotonic()
+            for msg, nbytes in zip(entries, sizes):  # no room completes before its rank's done
+                self.landed(live, PlaneName.STREAM, msg.buffer, nbytes, at)
+            if core.actions:
+                self.rx.act()
+            self._after_data(reader)
+
+        def alive() -> bool:
+            if live.status.state.terminal:
+                core.stream_read(live, rank, -1)  # asked no more: the rest is dropped
+                return False
+            return True
+        return Target(views, landed, alive)
+
+    def _after_data(self, reader: StreamReader) -> None:
+        if self.rx.slow_s:
+            reader.pause(self.rx.slow_s)  # fault injection: a slow decode side
