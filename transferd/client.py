@@ -54,7 +54,7 @@ R = TypeVar("R", bound=Request)
 
 
 def _pages(v: Rows) -> list[int]:
-    return [int(x) for x in (v.tolist() if hasattr(v, "tolist") else v)]
+    return list(map(int, v.tolist() if hasattr(v, "tolist") else v))
 
 
 def _int(v: Any) -> Any:
