@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from ..config import parse_hostport
-from ..errors import ConfigError
+from ..errors import ConfigError, FailureCode
 
 if TYPE_CHECKING:
     from .base import AgentBase
@@ -62,7 +62,7 @@ class _AgentCollector(Collector):
                                 labels=["outcome", "reason"])
         ok = snap["rooms"].get("success", 0)
         c.add_metric(["success", ""], ok)
-        for reason, n in snap["failures"].items():
+        for reason, n in failure_series(snap["failures"]).items():
             c.add_metric(["failed", reason], n)
         yield c
         yield _by_label("transferd_refused_messages", "Messages or requests refused, by reason", "reason",
@@ -83,6 +83,14 @@ class _AgentCollector(Collector):
         for group, n in snap["registered"].items():
             g.add_metric([group], n)
         yield g
+
+
+def failure_series(failures: dict[str, int]) -> dict[str, int]:
+    """Failed rooms by code: every :class:`~transferd.errors.FailureCode` from the start (a
+    dashboard sees each series before its first failure), and any other code a sender sent."""
+    out = {code.value: 0 for code in FailureCode}
+    out.update(failures)
+    return out
 
 
 def _by_label(name: str, doc: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:

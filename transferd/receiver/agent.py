@@ -23,7 +23,7 @@ from .. import __version__
 from ..config import Config
 from ..daemon.accounting import Accounting
 from ..daemon.base import AgentBase
-from ..errors import ConfigError, TransferdError
+from ..errors import ConfigError, PoolMismatch, TransferdError
 from ..layout import PoolLayout, layout_difference
 from ..pool import Pool, host_boot_id
 from ..protocol.messages import PROTOCOL_VERSION, Register, Status, encode
@@ -101,7 +101,7 @@ class Receiver(AgentBase):
                 self.pool = Pool.attach(name)
                 diff = layout_difference(self.pool.layout, self.layout, "pool", "config")
                 if diff:
-                    raise TransferdError(f"pool {name!r} does not match the configuration: {diff}")
+                    raise PoolMismatch(f"pool {name!r} does not match the configuration: {diff}")
                 self.layout = self.pool.layout
         self.router = self.zctx.socket(zmq.ROUTER)
         configure(self.router)
