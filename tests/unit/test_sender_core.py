@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from transferd.errors import BadRequest, IndexOutOfRange
-from transferd.layout import ModelSpec, StateComponent
+from transferd.layout import BufferSpec, ModelSpec, PoolLayout, StateComponent
 from transferd.protocol.messages import Assign, Data, Fail, Ping, Pong, Register, Registered, Status
 from transferd.protocol.room import RoomState, RoomStatus
 from transferd.protocol.sender_core import (
@@ -99,6 +99,15 @@ def test_submit_refusals(kw: dict[str, object], error: type[Exception], message:
         core.submit(1, args.pop("start"), args.pop("src_pages"), now=0.0, **args)  # type: ignore[arg-type]
     assert str(info.value) == message
     assert core.lookup(1) is None and core.take() == []  # nothing of a refused chunk stays
+
+
+def test_submit_to_a_pool_without_kv_buffers() -> None:
+    layout = PoolLayout("nokv", 4, (BufferSpec("aux", "aux", 0, "aux", "uint8", (16,), 4),))
+    core = SenderCore(layout, group="g", rank=0, cp_size=1, split=SplitMode.PAGES, pool_name="p")
+    with pytest.raises(IndexOutOfRange) as info:
+        core.submit(1, 0, (1, 2), now=0.0)
+    assert str(info.value) == "room 1: pool has no KV buffers but 2 source pages were given"
+    assert core.submit(1, 0, (), last=True, aux_slot=3, now=0.0) == RoomStatus(B)
 
 
 def test_submit_refusals_that_need_a_room() -> None:
