@@ -51,7 +51,7 @@ from transferd.tools.bench import Cluster, Filler, Fleet, Group, KiB, cpu_second
 from transferd.tools.rooms import write_guard
 
 SCALE_VERSION = 1
-ROW = "64KiB"  # transferd.bench's bulk model: 4 MLA KV buffers, rows of 64 KiB, aux row of 64 B
+ROW = "64KiB"  # transferd.tools.bench's bulk model: 4 MLA KV buffers, rows of 64 KiB, aux row of 64 B
 PAGES = 8  # pages per room
 SRC_PAGES = 128  # source pages per rank (rooms cycle through a random permutation of them)
 VERIFY_EVERY = 16

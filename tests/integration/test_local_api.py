@@ -475,33 +475,6 @@ def test_each_role_handles_exactly_its_requests() -> None:
     assert {Submit, SenderPoll, SenderWait, SenderAbort, Stats, Status, Ping} == set(SENDER_OPS.values())
 
 
-def test_a_table_of_the_old_form_gets_the_checked_request_maps(endpoint: str, raw: Raw) -> None:
-    """Op name → handler taking the request map (what the agents passed before api.handlers):
-    served like the typed table, the maps holding every field, checked."""
-    got: list[dict[str, Any]] = []
-
-    def poll(r: dict[str, Any]) -> dict[str, str]:
-        got.append(r)
-        return {"state": "waiting", "code": "", "reason": ""}
-
-    s = Served(endpoint, {"submit": poll, "poll": poll, "wait": poll, "abort": poll, "stats": poll,
-                          "status": poll, "ping": poll})
-    try:
-        assert raw.ask({"id": 1, "v": V, "op": "poll", "room": 3})["result"]["state"] == "waiting"
-        assert raw.ask({"id": 2, "v": V, "op": "submit", "room": 3, "src_pages": [1]})["ok"] is True
-        assert raw.ask({"id": 3, "v": V, "op": "poll", "room": -3})["error"] == (
-            "room must be an unsigned 64-bit integer, not -3")
-        assert raw.ask({"id": 4, "v": 1, "op": "poll", "room": 3})["code"] == "version"
-        assert raw.ask({"id": 5, "v": V, "op": "release", "room": 3, "group": "g"})["error"].startswith(
-            "unknown op 'release'; known: batch, abort, ping, poll, stats, status, submit, wait")
-        assert got == [{"op": "poll", "room": 3}, {"op": "submit", "room": 3, "start": 0, "src_pages": (1,),
-                                                   "last": False, "state": {}, "aux_slot": None}]
-        assert s.srv.refused == {"engine_bad_request": 1, "engine_version": 1, "engine_unknown_op": 1}
-    finally:
-        s.close()
-
-
 def test_a_table_of_no_role_is_refused(endpoint: str) -> None:
     with pytest.raises(ValueError, match="not one role's ops"):
-        Served(endpoint, {"expect": print, "submit": print})
-
+        Served(endpoint, {Expect: print, Submit: print})

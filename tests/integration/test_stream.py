@@ -19,8 +19,7 @@ from transferd.pool import Pool
 from transferd.protocol.messages import Assign, Ping, Registered, Status
 from transferd.protocol.room import RoomState
 
-from .harness import Cluster, fill_random
-from .rooms import write_guard
+from .harness import Cluster, fill_random, write_guard
 
 KEY = bytes(range(100, 116))
 ROOM, TOK = 5, 0xABCDEF

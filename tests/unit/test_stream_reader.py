@@ -1,6 +1,6 @@
 """transferd.transport.data_stream.StreamReader on a real socket pair: a payload lands byte for byte in the views
 its handler names, each read asking for at most about RECV_CHUNK bytes (reads of a whole 1 MiB
-payload were 15-25 % slower on loopback: docs/PERFORMANCE.md item 15), many small views (the
+payload were 15-25 % slower on loopback: docs/history/PERFORMANCE-LOG.md item 15), many small views (the
 rows of a batch) are filled several at a time by one scattering read, and, for any views, any
 splitting of the sender's writes and any point where a payload's owner goes away (hypothesis),
 nothing is written after that point and the stream stays in step."""

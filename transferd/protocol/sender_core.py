@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..errors import BadRequest, IndexOutOfRange
+from ..errors import BadRequest, FailureCode, IndexOutOfRange
 from ..layout import PoolLayout
 from ..types import ConnState, PlaneName, SplitMode
 from .messages import Assign, Control, Fail, Message, Ping, Pong, Register, Registered, Status
@@ -39,15 +39,15 @@ STREAM_FAILURES, STREAM_BACKOFF_S = 3, 300.0  # streams lost unused in a row; th
 
 # The failure codes a sender gives a room (docs/PROTOCOL.md §11); a receiver's code arrives in
 # its status and is kept as sent.
-ABORTED = "aborted"
-ASSIGN_TIMEOUT = "assign_timeout"
-BAD_ASSIGN = "bad_assign"
-LENGTH_MISMATCH = "length_mismatch"
-BAD_CHUNK = "bad_chunk"
-SEND_ERROR = "send_error"
-PEER_LOST = "peer_lost"
-SHUTDOWN = "shutdown"
-ROOM_EXISTS = "room_exists"  # only in the fail that refuses a second assign
+ABORTED = FailureCode.ABORTED
+ASSIGN_TIMEOUT = FailureCode.ASSIGN_TIMEOUT
+BAD_ASSIGN = FailureCode.BAD_ASSIGN
+LENGTH_MISMATCH = FailureCode.LENGTH_MISMATCH
+BAD_CHUNK = FailureCode.BAD_CHUNK
+SEND_ERROR = FailureCode.SEND_ERROR
+PEER_LOST = FailureCode.PEER_LOST
+SHUTDOWN = FailureCode.SHUTDOWN
+ROOM_EXISTS = FailureCode.ROOM_EXISTS  # only in the fail that refuses a second assign
 SENDER_CODES = (ABORTED, ASSIGN_TIMEOUT, BAD_ASSIGN, LENGTH_MISMATCH, BAD_CHUNK, SEND_ERROR, PEER_LOST, SHUTDOWN,
                 ROOM_EXISTS)
 

@@ -44,10 +44,10 @@ from ..transport.curve import is_wildcard, load_keypair, watch_handshakes
 from ..transport.data_stream import StreamReader, StreamServer, stream_host
 from ..transport.local_api import LocalApiServer
 from ..transport.loop_socket import LoopSocket, configure
+from ..transport.planes import ReceiverPlane, SameHostReceiver
 from ..types import AutoOff
 from . import api
 from .data import DataPath
-from .planes import ReceiverPlane, SameHostPlane
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class Receiver(AgentBase):
         pool = self._same_host_pool(adm.same_host_pool, msg) if adm.same_host_pool else None
         peer = self.core.admit(adm, now, same_host=pool is not None, stream_key=os.urandom(KEY_BYTES))
         if pool is not None:
-            self.planes[id(peer)] = (peer, SameHostPlane(pool))
+            self.planes[id(peer)] = (peer, SameHostReceiver(pool))
 
     def _same_host_pool(self, name: str, msg: Register) -> Pool | None:
         """The sender's pool, when it is reachable here and is the one it offered; otherwise the

@@ -8,23 +8,22 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import zmq
 
 from ..errors import TransferdError, VersionMismatch
 from ..protocol.messages import Data, DataBatch, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, decode_header
 from ..protocol.receiver_core import DecodeRoom, Peer
-from ..protocol.room import runs
 from ..protocol.stream import hello_key
 from ..transport.data_stream import StreamReader, Target
+from ..transport.planes import ReceiverPlane, StreamReceiver, ZmqReceiver
 from ..types import Kind, PlaneName
-from .planes import PayloadPlane, ReceiverPlane
 
 if TYPE_CHECKING:
     from .agent import Receiver
 
 log = logging.getLogger(__name__)
 
-DIRECT_MIN_BYTES = 64 << 10  # stream payloads this large are read straight into the rows; smaller ones via a buffer
 
 
 class DataPath:
@@ -35,8 +34,9 @@ class DataPath:
         self.rx = rx
         self.core = rx.core
         self.acct = rx.acct
-        self.zmq = PayloadPlane(PlaneName.ZMQ, [b.row_bytes for b in rx.layout.buffers])
-        self.stream = PayloadPlane(PlaneName.STREAM, [b.row_bytes for b in rx.layout.buffers])
+        row_bytes = [b.row_bytes for b in rx.layout.buffers]
+        self.zmq = ZmqReceiver(row_bytes)
+        self.stream = StreamReceiver(row_bytes)
         self._kind_of = [b.kind for b in rx.layout.buffers]
 
     # -- the ZeroMQ socket ---------------------------------------------------------------------
@@ -181,10 +181,15 @@ class DataPath:
             log.info("%s: %s", self.rx.name, reason)
 
     def stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
-        """A record's header has arrived: check it and say where its payload goes (an empty
-        target drops the payload)."""
+        """A record's header has arrived on a peer's stream: the stream plane says where its
+        payload goes (an empty target drops it)."""
+        peer: Peer | None = reader.peer
+        if peer is None or self.core.peers.get(peer.ident) is not peer:
+            return Target([])
         try:
-            return self._stream_record(reader, header, payload_len)
+            now = time.monotonic()
+            peer.last_seen = now
+            return self.stream.record(self, reader, peer, header, payload_len, now)
         except Exception:  # a bug must not take the receiver down with every room; rows may have
             # been claimed without their bytes: the stream ends, so that rank's rooms fail
             log.exception("%s: error while handling a data stream record", self.rx.name)
@@ -192,99 +197,21 @@ class DataPath:
             reader.close(f"data stream from {reader.addr}: internal error")
             return Target([])
         finally:
-            if self.core.actions:
-                self.rx.act()
+            self.flush()
 
-    def _stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
-        peer: Peer | None = reader.peer
-        drop = Target([])
-        core = self.core
-        if peer is None or core.peers.get(peer.ident) is not peer:
-            return drop
-        now = time.monotonic()
-        peer.last_seen = now
-        try:
-            msg = decode_header(header)
-        except TransferdError as exc:
-            self.rx.refuse(exc.code, f"data stream: {exc}", peer.ident)
-            return drop
-        if isinstance(msg, Done):
-            if payload_len:
-                self.rx.refuse("malformed", f"done record with a {payload_len}-byte payload", peer.ident)
-            else:
-                core.done(peer, msg, now)
-            return drop
-        if not isinstance(msg, (Data, DataBatch)):
-            self.rx.refuse("unexpected_type", f"{type(msg).__name__} on a data stream (data, data-batch and done "
-                                              "only)", peer.ident)
-            return drop
-        entries = msg.entries if isinstance(msg, DataBatch) else (msg,)
-        n_buffers = len(self._kind_of)
-        sizes = [e.count * core.row_bytes(e.buffer) if e.buffer < n_buffers else -1 for e in entries]
-        if min(sizes) < 0 or sum(sizes) != payload_len:
-            room = core.data_room(peer, entries[0], now)  # refuses an unknown room or buffer by itself
-            if room is not None:
-                core.reject(room, peer, "length_mismatch", f"data stream record of {payload_len} payload "
-                                                           f"bytes for rows of {sum(sizes)} bytes", now)
-            return drop
-        if peer.checksum is None and payload_len >= DIRECT_MIN_BYTES and all(e.kind != Kind.AUX for e in entries):
-            return self._stream_direct(reader, peer, entries, sizes, now)
-        buf = reader.buffer(payload_len)  # this stream's own: records of several streams interleave
-
-        def deliver() -> None:  # then exactly as the same message from the ZeroMQ socket
-            at, o = time.monotonic(), 0
-            for entry, size in zip(entries, sizes):
-                self.data(peer, self.stream, entry, buf[o:o + size], at)
-                o += size
-            if self.core.actions:
-                self.rx.act()
-            self._after_data(reader)
-        return Target([buf[:payload_len]], deliver)
-
-    def _stream_direct(self, reader: StreamReader, peer: Peer, entries: tuple[Data, ...], sizes: list[int],
-                       now: float) -> Target:
-        """A large payload (one data entry, or a batch of them) is read straight into its
-        destination rows: every check first, the rows of every entry claimed in the tracker,
-        then the bytes; if the room ends while they arrive, the rest is dropped (the stream
-        reader asks before each read). An entry refused (the room failed, or the entry dropped)
-        drops the whole payload; the entries after it are counted as the ZeroMQ path counts them."""
-        core = self.core
+    # -- what the stream plane asks of the data path (RowSink) --------------------------------
+    def rows(self, buffer: int) -> np.ndarray:
         assert self.rx.pool is not None
-        views: list[memoryview] = []
-        room: DecodeRoom | None = None
-        for i, msg in enumerate(entries):
-            room = core.data_room(peer, msg, now)
-            claimed = core.claim(room, peer, msg, now) if room is not None else None
-            if claimed is None:
-                for rest in entries[i + 1:]:
-                    core.data_room(peer, rest, now)
-                return Target([])
-            first, rows = claimed
-            dst = self.rx.pool.rows[msg.buffer]
-            if rows is None:
-                views.append(dst[first:first + msg.count].reshape(-1).data)
-            else:
-                views += [dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1).data for a, b in runs(rows, rows)]
-        assert room is not None
-        live, rank = room, peer.rank
-        core.stream_read(live, rank, +1)
+        return self.rx.pool.rows[buffer]
 
-        def landed() -> None:
-            core.stream_read(live, rank, -1)
-            at = time.monotonic()
-            for msg, nbytes in zip(entries, sizes):  # no room completes before its rank's done
-                self.landed(live, PlaneName.STREAM, msg.buffer, nbytes, at)
-            if core.actions:
-                self.rx.act()
-            self._after_data(reader)
+    def refuse(self, code: str, reason: str, ident: bytes = b"") -> None:
+        self.rx.refuse(code, reason, ident)
 
-        def alive() -> bool:
-            if live.status.state.terminal:
-                core.stream_read(live, rank, -1)  # asked no more: the rest is dropped
-                return False
-            return True
-        return Target(views, landed, alive)
+    def flush(self) -> None:
+        """Carry out what the core decided meanwhile."""
+        if self.core.actions:
+            self.rx.act()
 
-    def _after_data(self, reader: StreamReader) -> None:
+    def after_data(self, reader: StreamReader) -> None:
         if self.rx.slow_s:
             reader.pause(self.rx.slow_s)  # fault injection: a slow decode side

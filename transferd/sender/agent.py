@@ -24,11 +24,10 @@ from .. import __version__
 from ..config import Config
 from ..daemon.accounting import Accounting
 from ..daemon.base import AgentBase
-from ..errors import TransferdError, UnknownRoom
+from ..errors import PoolMismatch, UnknownRoom
 from ..layout import PoolLayout, layout_difference
 from ..pool import Pool, host_boot_id
 from ..protocol.checksum import checksum_function
-from ..protocol.engine_api import ints, slot_map, u64
 from ..protocol.messages import PROTOCOL_VERSION, Register
 from ..protocol.room import RoomState, RoomStatus
 from ..protocol.sender_core import (
@@ -47,6 +46,7 @@ from ..transport.curve import load_keypair, load_public_key
 from ..transport.local_api import LocalApiServer
 from ..transport.planes import SendEnv
 from ..types import AutoOff, ConnState, SplitMode
+from . import api
 from .conn import Connections
 from .send import RoomSender
 
@@ -103,7 +103,7 @@ class SenderAgent(AgentBase):
                 self.pool = Pool.attach(name)
                 diff = layout_difference(self.pool.layout, self.layout, "pool", "config")
                 if diff:
-                    raise TransferdError(f"pool {name!r} does not match the configuration: {diff}")
+                    raise PoolMismatch(f"pool {name!r} does not match the configuration: {diff}")
                 self.layout = self.pool.layout
         self.core = self._new_core()  # now with the pool's name, id and layout
         s, faults = self.scfg, self.cfg.faults
@@ -118,11 +118,8 @@ class SenderAgent(AgentBase):
             keys = (*load_keypair(s.curve_secret_key, "sender.curve_secret_key"),
                     load_public_key(s.curve_server_key, "sender.curve_server_key"))
         self.conns.open(self.zctx, self.ctx, ident, keys)
-        self.api = LocalApiServer(self.zctx, self.cfg.sender_engine_socket(), {
-            "submit": self._api_submit, "poll": self._api_poll, "wait": self._api_wait,
-            "abort": self._api_abort, "stats": lambda r: self.stats(), "status": lambda r: self.status(),
-            "ping": lambda r: self.ping_info(),
-        }, self.name, self.acct.refused)
+        self.api = LocalApiServer(self.zctx, self.cfg.sender_engine_socket(), api.handlers(self), self.name,
+                                  self.acct.refused)
         self.engine_endpoint = self.api.bound
         self.spawn(self.api.run(), "engine-api")
         self.spawn(self._tick_loop(), "tick")
@@ -252,21 +249,6 @@ class SenderAgent(AgentBase):
 
     def ping_info(self) -> dict[str, Any]:
         return {"name": self.name, "pid": os.getpid()}
-
-    def _api_submit(self, r: dict[str, Any]) -> dict[str, str]:
-        aux = r.get("aux_slot")
-        return self.submit(u64(r["room"], "room"), u64(r.get("start", 0), "start"), ints(r["src_pages"], "src_pages"),
-                           last=bool(r.get("last", False)), state=slot_map(r.get("state"), "state"),
-                           aux_slot=None if aux is None else u64(aux, "aux_slot")).to_wire()
-
-    def _api_poll(self, r: dict[str, Any]) -> dict[str, str]:
-        return self.poll(u64(r["room"], "room")).to_wire()
-
-    async def _api_wait(self, r: dict[str, Any]) -> dict[str, str]:
-        return (await self.wait(u64(r["room"], "room"), float(r.get("timeout_s", 60.0)))).to_wire()
-
-    def _api_abort(self, r: dict[str, Any]) -> dict[str, str]:
-        return self.abort(u64(r["room"], "room"), str(r.get("reason", ""))).to_wire()
 
     # -- introspection -------------------------------------------------------------------
     def live_rooms(self) -> int:

@@ -24,7 +24,7 @@ IOV_CHUNK = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
 SOCK_BUFFER = 4 << 20
 # the most one recv_into asks for: a read holds the socket's lock while it copies, and the peer's
 # segments wait in the backlog meanwhile; reads of 64 KiB moved 1 MiB records 1.15-1.25x faster
-# than whole-payload reads on loopback (32 KiB: the same, 16 KiB: slower; docs/PERFORMANCE.md item 15)
+# than whole-payload reads on loopback (32 KiB: the same, 16 KiB: slower; docs/history/PERFORMANCE-LOG.md item 15)
 RECV_CHUNK = 64 << 10
 MAX_SCATTER = 64  # views one read may fill (IOV_MAX is 1024)
 SCRATCH_BYTES = 256 << 10  # payload bytes read only to be dropped go through this (one per server)

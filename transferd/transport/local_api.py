@@ -24,7 +24,6 @@ from ..protocol.engine_api import (
     Reply,
     Request,
     UnknownOp,
-    call_map,
     decode_request,
     encode_reply,
 )
@@ -45,26 +44,6 @@ HandlerTable = Mapping[type[Request], Handler]
 ``SENDER_OPS`` values); the ops it holds are the ops served, every other op is unknown."""
 
 
-def _typed(handlers: Mapping[Any, Handler]) -> dict[type[Request], Handler]:
-    """The handler table, from a typed one or from a table of the old form (op name → handler
-    taking the request map), whose ops must all be one role's.
-
-    The old form is kept while the agents move to ``api.handlers(self)``: its handlers get the
-    checked request as a map (``{"op", ...every field}``), so they see only what the typed
-    decoder let through."""
-    if all(isinstance(k, type) and issubclass(k, Request) for k in handlers):
-        return dict(handlers)
-    names = set(handlers)
-    role = next((ops for ops in (RECEIVER_OPS, SENDER_OPS) if names <= set(ops)), None)
-    if role is None:
-        raise ValueError(f"engine API handlers {sorted(map(str, names))} are not one role's ops")
-
-    def legacy(fn: Handler) -> Handler:
-        return lambda req: fn(call_map(req))
-
-    return {role[name]: legacy(fn) for name, fn in handlers.items()}
-
-
 class LocalApiServer:
     """The engine-facing socket: a ROUTER on a private ``ipc://`` (or loopback tcp) endpoint.
 
@@ -75,10 +54,13 @@ class LocalApiServer:
     op this daemon does not serve).
     """
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, handlers: HandlerTable | Mapping[str, Handler],
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, handlers: HandlerTable,
                  name: str, refused: Counter[str] | None = None) -> None:
         self.endpoint = endpoint
-        self.handlers = _typed(handlers)
+        self.handlers = dict(handlers)
+        if not any(set(self.handlers) <= set(ops.values()) for ops in (RECEIVER_OPS, SENDER_OPS)):
+            names = sorted(f"{cls.__name__} ({cls.op})" for cls in self.handlers)
+            raise ValueError(f"engine API handlers {names} are not one role's ops")
         self.ops: dict[str, type[Request]] = {cls.op: cls for cls in self.handlers}
         """The ops served, by name (what the decoder accepts)."""
         self.name = name

@@ -1,20 +1,22 @@
 """The data planes: how a room's rows move once a core decided they may.
 
-Each plane is one module with its sender-side class (and, beside it, its receiver side). A
+Each plane is one module with its sender-side class and, beside it, its receiver side. A
 connection's plane is chosen when it registers — the same-host path when the receiver mapped
 the sender's pool, the data stream when one was offered and may be used, ZeroMQ frames
 otherwise — and built from :data:`SENDER_PLANES`. A new plane is one module implementing
-:class:`~.sending.SenderPlane`, a :class:`~transferd.types.PlaneName`, an entry here, and its
-configuration.
+:class:`~.sending.SenderPlane` and :class:`~.receiving.ReceiverPlane`, a
+:class:`~transferd.types.PlaneName`, an entry in both tables here, and its configuration
+(docs/DATA-PLANES.md).
 """
 
 from __future__ import annotations
 
 from ...types import PlaneName
-from .same_host import SameHostSender
+from .receiving import PayloadReceiver, ReceiverPlane
+from .same_host import SameHostReceiver, SameHostSender
 from .sending import ConnPipes, RoomTx, SendEnv, SenderPlane, SenderPlaneFactory
-from .stream import StreamSender
-from .zmq import ZmqSender
+from .stream import RowSink, StreamReceiver, StreamSender
+from .zmq import ZmqReceiver, ZmqSender
 
 SENDER_PLANES: dict[PlaneName, SenderPlaneFactory] = {
     PlaneName.ZMQ: ZmqSender,
@@ -23,9 +25,19 @@ SENDER_PLANES: dict[PlaneName, SenderPlaneFactory] = {
 }
 
 
+RECEIVER_PLANES: dict[PlaneName, type] = {
+    PlaneName.ZMQ: ZmqReceiver,
+    PlaneName.STREAM: StreamReceiver,
+    PlaneName.SAME_HOST: SameHostReceiver,
+}
+"""The receiver side of each plane: ZeroMQ and stream take the layout's row sizes, the same-host
+plane the sender's pool mapped at registration."""
+
+
 def sender_plane(name: PlaneName, env: SendEnv, pipes: ConnPipes) -> SenderPlane:
     """The sender side of plane ``name`` for one connection."""
     return SENDER_PLANES[name](env, pipes)
 
 
-__all__ = ["SENDER_PLANES", "ConnPipes", "RoomTx", "SendEnv", "SenderPlane", "sender_plane"]
+__all__ = ["RECEIVER_PLANES", "SENDER_PLANES", "ConnPipes", "PayloadReceiver", "ReceiverPlane", "RoomTx", "RowSink",
+           "SameHostReceiver", "SendEnv", "SenderPlane", "StreamReceiver", "ZmqReceiver", "sender_plane"]

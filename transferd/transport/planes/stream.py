@@ -7,17 +7,30 @@ one record, ``prefix | header | payload`` handed to the kernel at once, the payl
 of the pool. The connection's stream is read at every message (``ConnPipes.stream``): until it
 connects the data waits; when it never connected (``fallback``), or once the shell dropped it,
 the messages take the ZeroMQ socket as before.
+
+Receiver side (:class:`StreamReceiver`): each record's header is decoded and checked as the
+same message from the ZeroMQ socket; a payload of at least ``DIRECT_MIN_BYTES`` (no checksum, no
+aux row) is read straight into its claimed destination rows, a smaller one into the stream's
+buffer and then written as a ZeroMQ payload would be.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from ...errors import TransferdError
+import numpy as np
+
+from ...errors import FailureCode, TransferdError
+from ...protocol.messages import Data, DataBatch, Done, decode_header
+from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
+from ...protocol.room import runs
 from ...protocol.stream import prefix
-from ...types import PlaneName
+from ...types import Kind, PlaneName
+from ..data_stream import StreamReader, Target
+from .receiving import PayloadReceiver
 from .sending import BURST, SENT_STREAM, SENT_ZMQ, RoomTx
 from .zmq import ZmqSender
 
@@ -68,3 +81,116 @@ class StreamSender(ZmqSender):
         writer, self.pipes.stream = self.pipes.stream, None
         if writer is not None:
             writer.close()
+
+
+class RowSink(Protocol):
+    """What the stream plane's receiving side needs of the receiver's data path."""
+
+    core: ReceiverCore
+
+    def rows(self, buffer: int) -> np.ndarray: ...
+
+    def data(self, peer: Peer, plane: Any, msg: Data, payload: Any, now: float) -> None: ...
+
+    def landed(self, room: DecodeRoom, how: PlaneName, buffer: int, nbytes: int, now: float) -> None: ...
+
+    def refuse(self, code: str, reason: str, ident: bytes = b"") -> None: ...
+
+    def flush(self) -> None: ...
+
+    def after_data(self, reader: StreamReader) -> None: ...
+
+
+DIRECT_MIN_BYTES = 64 << 10  # stream payloads this large are read straight into the rows; smaller ones via a buffer
+
+
+class StreamReceiver(PayloadReceiver):
+    """Records of one peer's data stream (:class:`~transferd.transport.data_stream.StreamReader`
+    reads them; this says where each payload goes)."""
+
+    name = PlaneName.STREAM
+
+    def record(self, sink: RowSink, reader: StreamReader, peer: Peer, header: bytes, payload_len: int,
+               now: float) -> Target:
+        """A record's header has arrived: check it and say where its payload goes (an empty
+        target drops the payload)."""
+        drop = Target([])
+        core = sink.core
+        try:
+            msg = decode_header(header)
+        except TransferdError as exc:
+            sink.refuse(exc.code, f"data stream: {exc}", peer.ident)
+            return drop
+        if isinstance(msg, Done):
+            if payload_len:
+                sink.refuse("malformed", f"done record with a {payload_len}-byte payload", peer.ident)
+            else:
+                core.done(peer, msg, now)
+            return drop
+        if not isinstance(msg, (Data, DataBatch)):
+            sink.refuse("unexpected_type", f"{type(msg).__name__} on a data stream (data, data-batch and done "
+                                           "only)", peer.ident)
+            return drop
+        entries = msg.entries if isinstance(msg, DataBatch) else (msg,)
+        n_buffers = len(self._row_bytes)
+        sizes = [e.count * self._row_bytes[e.buffer] if e.buffer < n_buffers else -1 for e in entries]
+        if min(sizes) < 0 or sum(sizes) != payload_len:
+            room = core.data_room(peer, entries[0], now)  # refuses an unknown room or buffer by itself
+            if room is not None:
+                core.reject(room, peer, FailureCode.LENGTH_MISMATCH, f"data stream record of {payload_len} payload "
+                                                                     f"bytes for rows of {sum(sizes)} bytes", now)
+            return drop
+        if peer.checksum is None and payload_len >= DIRECT_MIN_BYTES and all(e.kind != Kind.AUX for e in entries):
+            return self._direct(sink, reader, peer, entries, sizes, now)
+        buf = reader.buffer(payload_len)  # this stream's own: records of several streams interleave
+
+        def deliver() -> None:  # then exactly as the same message from the ZeroMQ socket
+            at, o = time.monotonic(), 0
+            for entry, size in zip(entries, sizes):
+                sink.data(peer, self, entry, buf[o:o + size], at)
+                o += size
+            sink.flush()
+            sink.after_data(reader)
+        return Target([buf[:payload_len]], deliver)
+
+    def _direct(self, sink: RowSink, reader: StreamReader, peer: Peer, entries: tuple[Data, ...], sizes: list[int],
+                now: float) -> Target:
+        """A large payload (one data entry, or a batch of them) is read straight into its
+        destination rows: every check first, the rows of every entry claimed, then the bytes; if
+        the room ends while they arrive, the rest is dropped (the reader asks before each read).
+        An entry refused (the room failed, or the entry dropped) drops the whole payload; the
+        entries after it are counted as the ZeroMQ path counts them."""
+        core = sink.core
+        views: list[memoryview] = []
+        room: DecodeRoom | None = None
+        for i, msg in enumerate(entries):
+            room = core.data_room(peer, msg, now)
+            claimed = core.claim(room, peer, msg, now) if room is not None else None
+            if claimed is None:
+                for rest in entries[i + 1:]:
+                    core.data_room(peer, rest, now)
+                return Target([])
+            first, rows = claimed
+            dst = sink.rows(msg.buffer)
+            if rows is None:
+                views.append(dst[first:first + msg.count].reshape(-1).data)
+            else:
+                views += [dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1).data for a, b in runs(rows, rows)]
+        assert room is not None
+        live, rank = room, peer.rank
+        core.stream_read(live, rank, +1)
+
+        def landed() -> None:
+            core.stream_read(live, rank, -1)
+            at = time.monotonic()
+            for msg, nbytes in zip(entries, sizes):  # no room completes before its rank's done
+                sink.landed(live, PlaneName.STREAM, msg.buffer, nbytes, at)
+            sink.flush()
+            sink.after_data(reader)
+
+        def alive() -> bool:
+            if live.status.state.terminal:
+                core.stream_read(live, rank, -1)  # asked no more: the rest is dropped
+                return False
+            return True
+        return Target(views, landed, alive)

@@ -8,6 +8,9 @@ batch, sent as one data-batch message when the next would overflow it (bytes or
 ``MAX_BATCH_ENTRIES``), at a chunk's end and before done. The data stream plane
 (:mod:`.stream`) frames the very same messages, so it inherits all of this and replaces only
 ``_emit``.
+
+Receiver side (:class:`ZmqReceiver`): the payload frame of each data message (or data-batch
+entry) is checked for its length and checksum, then copied into the claimed rows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from ...protocol.messages import MAX_BATCH_ENTRIES, Data, DataBatch, Done, encode
 from ...protocol.room import runs
 from ...types import KIND_LABELS, Kind, PlaneName
+from .receiving import PayloadReceiver
 from .sending import BURST, SENT_STREAM, SENT_ZMQ, ConnPipes, Piece, RoomTx, SendEnv
 
 
@@ -159,3 +163,9 @@ class ZmqSender:
             env.burst = 0
             await asyncio.sleep(0)
         return SENT_ZMQ
+
+
+class ZmqReceiver(PayloadReceiver):
+    """The payload frames of data and data-batch messages, copied into the rows (one copy)."""
+
+    name = PlaneName.ZMQ
