@@ -12,12 +12,13 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, LayoutError
 from .layout import ModelSpec, PoolLayout, StateComponent
-from .types import CHECKSUMS, NAME_RE, SplitMode
+from .types import CHECKSUMS, NAME_RE, AutoOff, SplitMode, ZeroCopy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,8 +72,8 @@ class ReceiverConfig:
     bootstrap_timeout_s: float = 120.0
     stall_timeout_s: float = 60.0
     waiting_timeout_s: float = 600.0  # assigned, but the prefill side never started sending
-    same_host: str = "auto"  # read same-host senders' pools directly ("auto") or never ("off")
-    data_stream: str = "auto"  # offer senders a plain TCP data stream ("auto": tcp:// bind, no CURVE) or not ("off")
+    same_host: AutoOff = AutoOff.AUTO  # read same-host senders' pools directly ("auto") or never ("off")
+    data_stream: AutoOff = AutoOff.AUTO  # offer senders a plain TCP data stream ("auto": tcp:// bind, no CURVE) or not ("off")
     stream_port: int = 0  # the data stream's TCP port on the bind address (0 = any free port)
     max_frame_bytes: int = 64 << 20
     send_hwm: int = 100_000
@@ -91,7 +92,7 @@ class SenderConfig:
     group: str = "prefill0"
     cp_size: int = 1
     cp_rank: int = 0
-    split: str = "pages"
+    split: SplitMode = SplitMode.PAGES
     receivers: tuple[str, ...] = ("tcp://127.0.0.1:57500",)
     engine_socket: str = "ipc://{run_dir}/{group}-r{rank}.sock"
     pool: str = "{group}-r{rank}"
@@ -105,10 +106,10 @@ class SenderConfig:
     heartbeat_misses: int = 5
     assign_timeout_s: float = 300.0
     checksum: str = "none"
-    same_host: str = "auto"  # offer this pool to a receiver on the same host ("auto") or never ("off")
+    same_host: AutoOff = AutoOff.AUTO  # offer this pool to a receiver on the same host ("auto") or never ("off")
     shm_message_bytes: int = 16 << 20  # rows per data-refs message on the same-host path
-    zero_copy: str = "direct"  # "direct": rows handed to libzmq with no reference kept; "pyzmq": pyzmq frames
-    data_stream: str = "auto"  # send data on the receiver's data stream when it offers one ("auto") or never ("off")
+    zero_copy: ZeroCopy = ZeroCopy.DIRECT  # "direct": rows handed to libzmq with no reference kept; "pyzmq": pyzmq frames
+    data_stream: AutoOff = AutoOff.AUTO  # send data on the receiver's data stream when it offers one ("auto") or never ("off")
     dedup: bool = True  # pages split: only rank 0 sends the replicated state; false: every rank does (the group agrees)
     drain_timeout_s: float = 30.0
     metrics_bind: str = "127.0.0.1:9470"  # Prometheus endpoint; the CP rank is added to the port
@@ -182,7 +183,7 @@ class Config:
 
     @property
     def split(self) -> SplitMode:
-        return SplitMode.parse(self.sender.split)
+        return self.sender.split
 
     def with_overrides(self, section: str, **values: Any) -> Config:
         """Apply explicit (CLI) values to one section, validated like file values."""
@@ -194,7 +195,6 @@ class Config:
 
     def validate(self) -> None:
         s = self.sender
-        SplitMode.parse(s.split)
         if s.cp_size < 1:
             raise ConfigError(f"sender.cp_size must be >= 1, not {s.cp_size}")
         if not 0 <= s.cp_rank < s.cp_size:
@@ -209,14 +209,8 @@ class Config:
         if s.checksum not in CHECKSUMS:
             raise ConfigError(f"sender.checksum must be one of {', '.join(CHECKSUMS)}, not {s.checksum!r}")
         r, f = self.receiver, self.faults
-        for what, mode in (("sender.same_host", s.same_host), ("receiver.same_host", r.same_host),
-                           ("sender.data_stream", s.data_stream), ("receiver.data_stream", r.data_stream)):
-            if mode not in ("auto", "off"):
-                raise ConfigError(f"{what} must be 'auto' or 'off', not {mode!r}")
         if not 0 <= r.stream_port <= 65535:
             raise ConfigError(f"receiver.stream_port must lie in [0, 65535], not {r.stream_port}")
-        if s.zero_copy not in ("direct", "pyzmq"):
-            raise ConfigError(f"sender.zero_copy must be 'direct' or 'pyzmq', not {s.zero_copy!r}")
         _at_least(0, True, r.stall_timeout_s, "receiver.stall_timeout_s", r.bootstrap_timeout_s,
                   "receiver.bootstrap_timeout_s", r.waiting_timeout_s, "receiver.waiting_timeout_s",
                   s.assign_timeout_s, "sender.assign_timeout_s", r.heartbeat_interval_s,
@@ -278,6 +272,8 @@ def parse_hostport(value: str, what: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+_ENUMS: dict[str, type[Enum]] = {"SplitMode": SplitMode, "AutoOff": AutoOff, "ZeroCopy": ZeroCopy}
+"""Settings whose values are one of an enum's (checked where the file is read)."""
 _SIZE_KEYS = {"max_message_bytes", "aux_row_bytes", "max_frame_bytes", "shm_message_bytes"}
 
 
@@ -309,6 +305,13 @@ def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
             if not isinstance(value, str):
                 raise ValueError(value)
             return value
+        if t in _ENUMS:
+            kind = _ENUMS[t]
+            try:
+                return kind(value)
+            except ValueError:
+                raise ConfigError(f"{where} must be one of {', '.join(repr(m.value) for m in kind)}, "
+                                  f"not {value!r}") from None
         if t.startswith("tuple[str"):
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]

@@ -65,6 +65,13 @@ class AutoOff(str, Enum):
     OFF = "off"
 
 
+class ZeroCopy(str, Enum):
+    """How a sender hands pool rows to ZeroMQ (``sender.zero_copy``)."""
+
+    DIRECT = "direct"  # to libzmq, with no reference kept (transport/zerocopy.py)
+    PYZMQ = "pyzmq"  # as pyzmq frames
+
+
 CHECKSUMS: tuple[str, ...] = ("none", "xxh3", "crc32")
 """Payload checksum algorithms (``protocol/checksum.py`` has the functions)."""
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 import zmq.asyncio
 
 from ..errors import DaemonError, Draining
+from .metrics import AgentMetrics
 from .notify import sd_notify, watchdog_interval_s
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,6 @@ class AgentBase:
     drain_timeout_s = 30.0
 
     def __init__(self) -> None:
-        from .metrics import AgentMetrics
-
         self.ctx: zmq.asyncio.Context | None = None
         self.zctx: zmq.Context[Any] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -47,7 +46,7 @@ class AgentBase:
         self.started = threading.Event()
         self.ready: asyncio.Event | None = None  # set when bound (receiver) / registered (sender)
         self.draining = False
-        self.metrics = AgentMetrics(self)
+        self.metrics = AgentMetrics(self.metric_snapshot)
         self.t_start = time.time()
 
     # -- what subclasses report ------------------------------------------------------------

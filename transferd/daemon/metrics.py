@@ -8,8 +8,8 @@ histogram is observed directly, once per room.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
@@ -18,21 +18,21 @@ from prometheus_client.registry import Collector
 from ..config import parse_hostport
 from ..errors import ConfigError, FailureCode
 
-if TYPE_CHECKING:
-    from .base import AgentBase
-
 log = logging.getLogger(__name__)
 
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+Snapshot = Callable[[], dict[str, Any]]
+"""An agent's ``metric_snapshot``: counters and gauges, a consistent copy made under the GIL."""
+
+
 class _AgentCollector(Collector):
-    def __init__(self, agent: AgentBase) -> None:
-        self.agent = agent
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[Any]:
-        a = self.agent
-        snap = a.metric_snapshot()  # a consistent copy made under the GIL
+        snap = self.snapshot()
         role = snap["role"]
         direction = "sent" if role == "sender" else "received"
         info = InfoMetricFamily("transferd", "transferd daemon identity")
@@ -103,9 +103,9 @@ def _by_label(name: str, doc: str, label: str, counts: dict[str, int]) -> Counte
 class AgentMetrics:
     """The registry, the room-duration histogram, and the HTTP endpoint of one agent."""
 
-    def __init__(self, agent: AgentBase) -> None:
+    def __init__(self, snapshot: Snapshot) -> None:
         self.registry = CollectorRegistry(auto_describe=False)  # collect() only at scrape time
-        self.registry.register(_AgentCollector(agent))
+        self.registry.register(_AgentCollector(snapshot))
         self.room_seconds = Histogram("transferd_room_duration_seconds",
                                       "Room duration (receiver: expect → end; sender: first chunk → end)",
                                       labelnames=["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
