@@ -118,7 +118,7 @@ class Request:
 
     def to_wire(self) -> dict[str, Any]:
         """The request's fields (without ``id``, ``v`` and ``op``), every one of them."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _specs(type(self))}
 
     @classmethod
     def from_wire(cls: type[R], d: Mapping[Any, Any], envelope: frozenset[str] = frozenset()) -> R:

@@ -83,9 +83,9 @@ class DecodeRoom:
         return (self.req.group, self.req.room)
 
 
-# -- actions (what the shell does) -------------------------------------------------------------
+# -- actions (what the shell does; plain slotted classes: one or more per event, on the hot path) --
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Send:
     """Send a control message to a peer identity (never blocking; dropped and counted if it cannot go)."""
 
@@ -93,7 +93,7 @@ class Send:
     msg: Registered | Assign | Ping | Status | Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Refuse:
     """A refused message: count ``refused[code]`` and log it."""
 
@@ -102,14 +102,14 @@ class Refuse:
     ident: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Drop:
     """A message dropped silently (late, or for a room that is over): count ``dropped[key]``."""
 
     key: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finished:
     """A room reached its terminal status: count it, wake its waiters, then tell its senders."""
 
@@ -117,7 +117,7 @@ class Finished:
     status: RoomStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PeerClosed:
     """A registration ended: release what the shell holds for it (its pool mapping, its stream).
     ``reason`` is logged when given; ``heartbeat`` counts a missed heartbeat deadline."""
@@ -127,7 +127,7 @@ class PeerClosed:
     heartbeat: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Note:
     """A log line."""
 

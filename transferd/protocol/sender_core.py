@@ -57,7 +57,7 @@ CounterName = Literal["refused", "dropped", "heartbeat_misses"]
 
 # -- actions -------------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendControl:
     """Send ``msg`` on connection ``conn``: ``reliable`` waits behind the data while the pipe is
     full; otherwise it is dropped (and counted) when the pipe is full."""
@@ -67,7 +67,7 @@ class SendControl:
     reliable: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RoomEnded:
     """A room became terminal: wake its waiters, count and observe it (``created`` is the time
     the room became known, on the clock the events carry)."""
@@ -77,14 +77,14 @@ class RoomEnded:
     created: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pump:
     """Start the room's send loop (it is assigned, has chunks and none runs)."""
 
     room: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class UsePlane:
     """The connection registered anew: close its data stream, if any, and send its rows on
     ``plane`` from now on (a stream plane connects to ``stream_port`` with ``stream_key``)."""
@@ -95,14 +95,14 @@ class UsePlane:
     stream_key: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DropStream:
     """The receiver was given up: close the connection's data stream (its data takes ZeroMQ)."""
 
     conn: ConnId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Count:
     """Add one to ``counter[key]``."""
 
@@ -110,7 +110,7 @@ class Count:
     key: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Note:
     """A log line of the agent."""
 
