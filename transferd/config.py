@@ -51,13 +51,6 @@ def default_run_dir() -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolSize:
-    kv_pages: int = 1024
-    state_slots: int = 64
-    aux_slots: int = 256
-
-
-@dataclass(frozen=True, slots=True)
 class ReceiverConfig:
     name: str = "decode0"
     bind: str = "tcp://127.0.0.1:57500"

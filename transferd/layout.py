@@ -21,7 +21,6 @@ from .errors import LayoutError
 LAYOUT_VERSION = 1
 
 BufferKind = Literal["kv", "state", "aux"]
-KIND_CODES: dict[str, int] = {"kv": 0, "state": 1, "aux": 2}
 KINDS: tuple[str, ...] = ("kv", "state", "aux")
 
 # name -> (itemsize, numpy dtype string for the always-available view, torch dtype attribute)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import BadRequest, Refused
 from ..layout import KINDS, PoolLayout
-from ..types import SplitMode
+from ..types import Kind, SplitMode
 from .policy import RankPlan, group_plans
 
 
@@ -181,7 +181,7 @@ class CoverageTracker:
         ``(first_row, None)`` when they are consecutive, else ``(-1, row_indices)``."""
         if rank in self.done:
             raise Refused("after_done", f"rank {rank} sent data after reporting done")
-        if kind == 0:
+        if kind == Kind.KV:
             if buffer not in self._kv_bufs[rank]:
                 raise Refused("unexpected", f"rank {rank} is not to send KV buffer {buffer}")
             lo, hi = self.plans[rank].kv_range
@@ -196,7 +196,7 @@ class CoverageTracker:
             if self.dst_run_end[pos] >= pos + count:
                 return int(self.dst[pos]), None
             return -1, self.dst[pos:pos + count]
-        if kind == 1:
+        if kind == Kind.STATE:
             slots = self.state_got.get((rank, buffer))
             if slots is None:
                 raise Refused("unexpected", f"rank {rank} is not to send state buffer {buffer}")
