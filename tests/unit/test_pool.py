@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import transferd
-from transferd.errors import IndexOutOfRange, LayoutError, PoolError
+from transferd.errors import IndexOutOfRange, LayoutError, PoolError, PoolMismatch
 from transferd.layout import ModelSpec, PoolLayout, StateComponent
 from transferd.pool.shm import _HDR, ALIGN, HEADER_FORMAT, MAGIC, Pool, pool_path, shm_dir
 
@@ -180,6 +180,27 @@ def test_create_exist_ok_different_layout(pool: Pool, other: PoolLayout, needle:
     with pytest.raises(LayoutError, match=needle) as info:
         Pool.create("p0", other, exist_ok=True)
     assert "'p0'" in str(info.value)
+
+
+def test_open_creates_an_owned_pool_or_attaches_a_matching_one(pool: Pool) -> None:
+    written = _fill(pool, 3)
+    again, owned = Pool.open("p0", SPEC.layout(9, 3, 2), create=False)  # other row counts: compatible
+    try:
+        assert not owned and [r.tobytes() for r in again.rows] == written
+    finally:
+        again.close()
+    fresh, owned = Pool.open("p1", LAYOUT, create=True)
+    try:
+        assert owned and fresh.layout == LAYOUT
+    finally:
+        fresh.unlink()
+        fresh.close()
+
+
+def test_open_refuses_a_pool_of_another_layout(pool: Pool) -> None:
+    other = ModelSpec(**{**{f: getattr(SPEC, f) for f in ModelSpec.__dataclass_fields__}, "page_size": 8}).layout(6, 3, 2)
+    with pytest.raises(PoolMismatch, match="pool 'p0' does not match the configuration: page_size differs"):
+        Pool.open("p0", other, create=False)
 
 
 # -- corrupted files ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..errors import IndexOutOfRange, LayoutError, PoolError
+from ..errors import IndexOutOfRange, LayoutError, PoolError, PoolMismatch
 from ..layout import DTYPES, PoolLayout, layout_difference
 
 MAGIC = b"TRDPOOL\0"
@@ -162,6 +162,20 @@ class Pool:
             raise PoolError(f"pool {name!r}: unreadable header: {exc!r}") from None
         pool_id = desc.get("id", 0) if isinstance(desc.get("id", 0), int) else 0
         return cls(name, layout, mm, offsets, owner=False, pool_id=pool_id)
+
+    @classmethod
+    def open(cls, name: str, layout: PoolLayout, *, create: bool) -> tuple[Pool, bool]:
+        """A daemon's pool: created (or re-attached after a restart) when ``create``, and then the
+        daemon's own (the bool is True: it unlinks it at the end); otherwise attached, and
+        refused unless its layout matches ``layout`` (:class:`PoolMismatch`)."""
+        if create:
+            return cls.create(name, layout, exist_ok=True), True
+        pool = cls.attach(name)
+        diff = layout_difference(pool.layout, layout, "pool", "config")
+        if diff:
+            pool.close()
+            raise PoolMismatch(f"pool {name!r} does not match the configuration: {diff}")
+        return pool, False
 
     def close(self) -> None:
         self.rows = []

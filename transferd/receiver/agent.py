@@ -23,7 +23,7 @@ from .. import __version__
 from ..config import Config
 from ..daemon.accounting import Accounting
 from ..daemon.base import AgentBase
-from ..errors import ConfigError, PoolMismatch, TransferdError
+from ..errors import ConfigError, TransferdError
 from ..layout import PoolLayout, layout_difference
 from ..pool import Pool, host_boot_id
 from ..protocol.messages import PROTOCOL_VERSION, Register, Status, encode
@@ -93,16 +93,9 @@ class Receiver(AgentBase):
     async def _start(self) -> None:
         assert self.ctx is not None and self.zctx is not None
         if self.pool is None:
-            name = self.cfg.receiver_pool_name()
-            if self.rcfg.create_pool:
-                self.pool = Pool.create(name, self.layout, exist_ok=True)
-                self._own_pool = True  # created or re-attached after a restart: this daemon owns it
-            else:
-                self.pool = Pool.attach(name)
-                diff = layout_difference(self.pool.layout, self.layout, "pool", "config")
-                if diff:
-                    raise PoolMismatch(f"pool {name!r} does not match the configuration: {diff}")
-                self.layout = self.pool.layout
+            self.pool, self._own_pool = Pool.open(self.cfg.receiver_pool_name(), self.layout,
+                                                  create=self.rcfg.create_pool)
+            self.layout = self.pool.layout
         self.router = self.zctx.socket(zmq.ROUTER)
         configure(self.router)
         self._setup_curve()

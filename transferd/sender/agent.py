@@ -24,8 +24,8 @@ from .. import __version__
 from ..config import Config
 from ..daemon.accounting import Accounting
 from ..daemon.base import AgentBase
-from ..errors import PoolMismatch, UnknownRoom
-from ..layout import PoolLayout, layout_difference
+from ..errors import UnknownRoom
+from ..layout import PoolLayout
 from ..pool import Pool, host_boot_id
 from ..protocol.checksum import checksum_function
 from ..protocol.messages import PROTOCOL_VERSION, Register
@@ -95,16 +95,9 @@ class SenderAgent(AgentBase):
     async def _start(self) -> None:
         assert self.ctx is not None and self.zctx is not None
         if self.pool is None:
-            name = self.cfg.sender_pool_name()
-            if self.scfg.create_pool:
-                self.pool = Pool.create(name, self.layout, exist_ok=True)
-                self._own_pool = True  # created or re-attached after a restart: this daemon owns it
-            else:
-                self.pool = Pool.attach(name)
-                diff = layout_difference(self.pool.layout, self.layout, "pool", "config")
-                if diff:
-                    raise PoolMismatch(f"pool {name!r} does not match the configuration: {diff}")
-                self.layout = self.pool.layout
+            self.pool, self._own_pool = Pool.open(self.cfg.sender_pool_name(), self.layout,
+                                                  create=self.scfg.create_pool)
+            self.layout = self.pool.layout
         self.core = self._new_core()  # now with the pool's name, id and layout
         s, faults = self.scfg, self.cfg.faults
         env = SendEnv(self.layout, self.pool.rows, self.acct, s.max_message_bytes, s.shm_message_bytes,

@@ -16,7 +16,6 @@ buffer and then written as a ZeroMQ payload would be.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -31,7 +30,7 @@ from ...protocol.stream import prefix
 from ...types import Kind, PlaneName
 from ..data_stream import StreamReader, Target
 from .receiving import PayloadReceiver
-from .sending import BURST, SENT_STREAM, SENT_ZMQ, RoomTx
+from .sending import SENT_STREAM, RoomTx
 from .zmq import ZmqSender
 
 
@@ -41,41 +40,21 @@ class StreamSender(ZmqSender):
     async def _emit(self, tx: RoomTx, header: bytes, payload: Sequence[Any] = (), nbytes: int = 0, *,
                     rows: bool = False) -> int:
         """As :meth:`ZmqSender._emit`, on the data stream while the connection has one:
-        ``SENT_STREAM`` when the stream took the message."""
-        room, pipes, link, zc = tx.room, self.pipes, self.link, self.zc
-        while True:
-            writer = pipes.stream
-            if writer is not None:  # the data stream: one record, payload straight out of the pool
-                if writer.try_write([prefix(len(header), nbytes), header, *payload]):
-                    how = SENT_STREAM
-                    break
-                try:
-                    await writer.writable()
-                except TransferdError:
-                    if writer.fallback and not room.stopped:
-                        continue  # it never connected: the ZeroMQ socket takes the data instead
-                    raise
-                if room.stopped:
-                    return 0
-                continue
-            if rows:
-                assert zc is not None
-                sent = zc.try_send(header, [(r.ctypes.data, r.nbytes) for r in payload])
-                link.kick()
-            else:
-                sent = link.try_send([header, *payload], copy=False)
-            if sent:
-                how = SENT_ZMQ
-                break
-            await link.writable()
+        ``SENT_STREAM`` when the stream took the message; the ZeroMQ socket once it has none."""
+        room, pipes = tx.room, self.pipes
+        while (writer := pipes.stream) is not None:  # one record, payload straight out of the pool
+            if writer.try_write([prefix(len(header), nbytes), header, *payload]):
+                await self._turn()
+                return SENT_STREAM
+            try:
+                await writer.writable()
+            except TransferdError:
+                if writer.fallback and not room.stopped:
+                    continue  # it never connected: the ZeroMQ socket takes the data instead
+                raise
             if room.stopped:
                 return 0
-        env = self.env
-        env.burst += 1
-        if env.burst >= BURST:  # the pipe kept taking messages: give the loop a turn anyway
-            env.burst = 0
-            await asyncio.sleep(0)
-        return how
+        return await super()._emit(tx, header, payload, nbytes, rows=rows)
 
     def close(self) -> None:
         writer, self.pipes.stream = self.pipes.stream, None

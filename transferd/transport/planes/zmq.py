@@ -157,12 +157,16 @@ class ZmqSender:
             await link.writable()
             if room.stopped:
                 return 0
+        await self._turn()
+        return SENT_ZMQ
+
+    async def _turn(self) -> None:
+        """After a message the pipe took at once: every ``BURST`` of them, give the loop a turn."""
         env = self.env
         env.burst += 1
-        if env.burst >= BURST:  # the pipe kept taking messages: give the loop a turn anyway
+        if env.burst >= BURST:
             env.burst = 0
             await asyncio.sleep(0)
-        return SENT_ZMQ
 
 
 class ZmqReceiver(PayloadReceiver):
