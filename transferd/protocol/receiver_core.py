@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import BadRequest, FailureCode, Refused, RoomExists, TransferdError, UnknownRoom
 from ..layout import PoolLayout, layout_difference
-from ..types import NAME_RE, SplitMode
+from ..types import KIND_LABELS, NAME_RE, SplitMode
 from .checksum import checksum_function
 from .messages import Assign, Data, DataRef, DataRefs, Done, Fail, Ping, Register, Registered, Status
 from .policy import RankPlan, group_plans
@@ -505,7 +505,7 @@ class ReceiverCore:
             self._refuse("wrong_peer", f"{peer.group} rank {peer.rank} sent data for room {room.key} "
                                        "it was not assigned", peer.ident)
             return None
-        if msg.buffer >= len(self._row_bytes) or self._kind_of[msg.buffer] != _KIND_LABELS[msg.kind]:
+        if msg.buffer >= len(self._row_bytes) or self._kind_of[msg.buffer] != KIND_LABELS[msg.kind]:
             self.reject(room, peer, FailureCode.UNEXPECTED, f"data kind {msg.kind} for buffer {msg.buffer} "
                                                   "does not match the layout", now)
             return None
@@ -611,5 +611,3 @@ class ReceiverCore:
     def live_rooms(self) -> int:
         return sum(1 for r in list(self.rooms.values()) if not r.status.state.terminal)
 
-
-_KIND_LABELS = ("kv", "state", "aux")
