@@ -114,6 +114,20 @@ class SenderConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SglangConfig:
+    """The SGLang backend (transferd.engines.sglang), read by the engine's processes, not the daemons."""
+
+    # "HOST:PORT=GROUP" entries: the transferd group that serves the prefill instance whose
+    # bootstrap server is HOST:PORT. GROUP may hold {dp} (the request's prefill DP rank) and {tp}
+    # (this decode rank's attention-TP rank).
+    groups: tuple[str, ...] = ()
+    default_group: str = ""  # the group for a bootstrap address not in `groups` ("" = such a room fails)
+    device: str = "auto"  # where the engine's KV lives: "auto" (cuda if torch sees a GPU), "cpu", "cuda"
+    poll_interval_s: float = 0.001  # one batched status call per interval serves every room's poll()
+    client_timeout_s: float = 10.0  # a daemon that does not answer within this fails the call
+
+
+@dataclass(frozen=True, slots=True)
 class DemoConfig:
     rooms: int = 24
     chunks: int = 3
@@ -146,6 +160,7 @@ class Config:
     sender: SenderConfig = field(default_factory=SenderConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    sglang: SglangConfig = field(default_factory=SglangConfig)
     run_dir: str = field(default_factory=default_run_dir)
     log_level: str = "info"
     log_format: str = "text"
@@ -229,6 +244,15 @@ class Config:
                               f"sender.max_message_bytes ({s.max_message_bytes})")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
+        g = self.sglang
+        for i, entry in enumerate(g.groups):
+            addr, sep, group = entry.partition("=")
+            if not sep or not group.strip():
+                raise ConfigError(f"sglang.groups[{i}] {entry!r} must read HOST:PORT=GROUP")
+            parse_hostport(addr.strip(), f"sglang.groups[{i}]")
+        if g.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"sglang.device must be 'auto', 'cpu' or 'cuda', not {g.device!r}")
+        _at_least(0, True, g.poll_interval_s, "sglang.poll_interval_s", g.client_timeout_s, "sglang.client_timeout_s")
         self.receiver_layout()
         self.sender_layout()
 
@@ -375,7 +399,7 @@ def _model(data: Any, where: str) -> ModelSpec:
 
 
 _SECTIONS: dict[str, type] = {"receiver": ReceiverConfig, "sender": SenderConfig, "demo": DemoConfig,
-                              "faults": FaultsConfig}
+                              "faults": FaultsConfig, "sglang": SglangConfig}
 _TOP = {"run_dir", "log_level", "log_format"}
 
 
@@ -395,7 +419,7 @@ def from_mapping(data: Mapping[str, Any], source: str = "<mapping>", env: Mappin
             top: dict[str, Any] = {key: value}
             cfg = replace(cfg, **top)
         else:
-            raise ConfigError(f"unknown key {key!r} in {source} (known: model, receiver, sender, demo, "
+            raise ConfigError(f"unknown key {key!r} in {source} (known: model, receiver, sender, demo, faults, sglang, "
                               f"{', '.join(sorted(_TOP))})")
     cfg = _apply_env(cfg, os.environ if env is None else env)
     cfg.validate()
