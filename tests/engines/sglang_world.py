@@ -56,7 +56,7 @@ class Engine:
     names: list[str] = field(default_factory=list)
 
     @classmethod
-    def make(cls, fill_rank: int | None) -> Engine:
+    def make(cls, fill_rank: int | None, device: str = "cpu") -> Engine:
         import torch
         from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 
@@ -65,7 +65,7 @@ class Engine:
             if fill_rank is not None:
                 for r in range(rows):
                     t[r] = torch.from_numpy(content(fill_rank, name, r, item))
-            return t
+            return t.to(device)
 
         kv = [buf(ENGINE_PAGES, KV_ITEM, f"k{layer}") for layer in range(LAYERS)] + \
              [buf(ENGINE_PAGES, KV_ITEM, f"v{layer}") for layer in range(LAYERS)]
@@ -132,16 +132,19 @@ def backend_classes() -> tuple[Any, Any, Any]:
             get_kv_class(b, KVClassType.RECEIVER))
 
 
-def prefill_rank(rank: int, cp_size: int, cfg_path: str, rooms: list[Room], conn: Any, bootstrap: str) -> None:
-    """A scheduler-like prefill CP rank (run in a forked child): drives SGLang's sender interface
-    for every room and reports each room's final KVPoll to the parent over ``conn``."""
+def prefill_rank(rank: int, cp_size: int, cfg_path: str, rooms: list[Room], conn: Any, bootstrap: str,
+                 device: str = "cpu") -> None:
+    """A scheduler-like prefill CP rank (a forked or spawned child): drives SGLang's sender
+    interface for every room and reports each room's final KVPoll to the parent over ``conn``."""
     try:
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.plugins import load_plugins
 
+        load_plugins()  # what every SGLang scheduler process runs first (a no-op after a fork)
         os.environ["TRANSFERD_CONFIG"] = cfg_path
         parallel(attn_cp_rank=rank, attn_cp_size=cp_size, attn_tp_rank=0, attn_tp_size=1)
-        engine = Engine.make(fill_rank=rank)
+        engine = Engine.make(fill_rank=rank, device=device)
         manager_cls, sender_cls, _ = backend_classes()
         mgr = manager_cls(engine.kv_args, DisaggregationMode.PREFILL, None, False)
         conn.send(("ready", rank))

@@ -86,7 +86,7 @@ def test_another_sglang_version_is_refused_by_name() -> None:
 
 
 # -- the CP4 world -----------------------------------------------------------------------------
-def start(cluster: Cluster, cp: int = 4, **extra: Any) -> tuple[Path, list[Path]]:
+def start(cluster: Cluster, cp: int = 4, device: str = "cpu", **extra: Any) -> tuple[Path, list[Path]]:
     """Receiver + a CP group whose pools mirror the test engine; returns their config files."""
     ep, _, _ = cluster.receiver(model=MODEL, kv_pages=ENGINE_PAGES, state_slots=ENGINE_PAGES, aux_slots=32,
                                 heartbeat_interval_s=0.2, heartbeat_misses=5)
@@ -94,18 +94,22 @@ def start(cluster: Cluster, cp: int = 4, **extra: Any) -> tuple[Path, list[Path]
                   heartbeat_interval_s=0.2, heartbeat_misses=5, **extra)
     rcfg = cluster.tmp / "receiver-decode0.toml"
     with rcfg.open("a") as fh:
-        fh.write(f'\n[sglang]\ngroups = ["{BOOT}=prefill0"]\ndevice = "cpu"\n')
-    return rcfg, [cluster.tmp / f"sender-prefill0-r{r}.toml" for r in range(cp)]
+        fh.write(f'\n[sglang]\ngroups = ["{BOOT}=prefill0"]\ndevice = "{device}"\n')
+    scfgs = [cluster.tmp / f"sender-prefill0-r{r}.toml" for r in range(cp)]
+    for path in scfgs:
+        with path.open("a") as fh:
+            fh.write(f'\n[sglang]\ndevice = "{device}"\n')
+    return rcfg, scfgs
 
 
 class Prefill:
     """The four forked scheduler-like prefill ranks."""
 
-    def __init__(self, cfgs: list[Path], rooms: list[Room]) -> None:
+    def __init__(self, cfgs: list[Path], rooms: list[Room], device: str = "cpu", ctx: Any = FORK) -> None:
         self.conns, self.procs = [], []
         for r, cfg in enumerate(cfgs):
-            parent, child = FORK.Pipe()
-            p = FORK.Process(target=prefill_rank, args=(r, len(cfgs), str(cfg), rooms, child, BOOT), daemon=True)
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=prefill_rank, args=(r, len(cfgs), str(cfg), rooms, child, BOOT, device), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -128,10 +132,10 @@ class Prefill:
                 self.procs[r].join(10)
 
 
-def decode_engine(rcfg: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Engine, Any, Any]:
+def decode_engine(rcfg: Path, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> tuple[Engine, Any, Any]:
     monkeypatch.setenv("TRANSFERD_CONFIG", str(rcfg))
     parallel(attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=0, attn_cp_size=1)
-    engine = Engine.make(fill_rank=None)
+    engine = Engine.make(fill_rank=None, device=device)
     manager_cls, _, receiver_cls = backend_classes()
     return engine, manager_cls(engine.kv_args, DisaggregationMode.DECODE, None, False), receiver_cls
 
@@ -171,18 +175,18 @@ def check_bytes(engine: Engine, rooms: list[Room], cp: int) -> None:
             dst = room.dst_pages[pos - room.prefix_pages]
             r = owner(pos, n, cp)
             for j, name in enumerate(KV_NAMES):
-                got = engine.kv[j][dst].numpy()
+                got = engine.kv[j][dst].cpu().numpy()
                 assert np.array_equal(got, content(r, name, src[pos], KV_ITEM)), \
                     f"room {room.room} position {pos}: {name} of decode page {dst} is not rank {r}'s page {src[pos]}"
                 written.setdefault(name, set()).add(dst)
         for j, item in enumerate(MAMBA_ITEMS):  # replicated state: rank 0's copy, never another rank's
-            assert np.array_equal(engine.mamba[j][room.mamba_dst].numpy(), content(0, f"mamba{j}", room.mamba_src, item))
+            assert np.array_equal(engine.mamba[j][room.mamba_dst].cpu().numpy(), content(0, f"mamba{j}", room.mamba_src, item))
             written.setdefault(f"mamba{j}", set()).add(room.mamba_dst)
         for s, d in zip(room.swa_src, room.swa_dst):
-            assert np.array_equal(engine.swa[0][d].numpy(), content(0, "swa", s, SWA_ITEM))
+            assert np.array_equal(engine.swa[0][d].cpu().numpy(), content(0, "swa", s, SWA_ITEM))
             written.setdefault("swa", set()).add(d)
         for j, item in enumerate(AUX_ITEMS):
-            assert np.array_equal(engine.aux[j][room.aux_dst].numpy(), content(0, f"aux{j}", room.aux_src, item))
+            assert np.array_equal(engine.aux[j][room.aux_dst].cpu().numpy(), content(0, f"aux{j}", room.aux_src, item))
             written.setdefault(f"aux{j}", set()).add(room.aux_dst)
     bufs = {**{n: engine.kv[j] for j, n in enumerate(KV_NAMES)}, **{f"mamba{j}": t for j, t in enumerate(engine.mamba)},
             "swa": engine.swa[0], **{f"aux{j}": t for j, t in enumerate(engine.aux)}}
@@ -204,10 +208,15 @@ ROOMS = [
 
 
 def test_cp4_prefill_to_decode_rooms_are_byte_exact(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    rcfg, scfgs = start(cluster)
-    engine, mgr, receiver_cls = decode_engine(rcfg, monkeypatch)
+    cp4_scenario(cluster, monkeypatch, "cpu", FORK)
+
+
+def cp4_scenario(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, device: str, ctx: Any) -> None:
+    """Four prefill ranks → one decode rank, every room of ROOMS byte-exact in the decode engine."""
+    rcfg, scfgs = start(cluster, device=device)
+    engine, mgr, receiver_cls = decode_engine(rcfg, monkeypatch, device)
     recvs = [expect_room(mgr, receiver_cls, room) for room in ROOMS]
-    prefill = Prefill(scfgs, ROOMS)
+    prefill = Prefill(scfgs, ROOMS, device, ctx)
     states = poll_until_done(recvs)
     failures = []
     for recv, st in zip(recvs, states):

@@ -185,3 +185,15 @@ def test_the_scale_script_runs_small_and_every_room_is_byte_exact() -> None:
         cpu = r["receiver_cpu_s_per_gb"]  # /proc counts in 10 ms ticks: 0 for a pass this short
         assert isinstance(cpu, (int, float)) and math.isfinite(cpu) and cpu >= 0, r
     assert set(Path("/dev/shm").glob("transferd-scale*")) <= shm_before
+
+
+def test_sglang_staging_copies_are_measured_beside_memcpy(run: tuple[dict[str, Any], str]) -> None:
+    """The SGLang backend's gather (engine → pool) and scatter (pool → engine), paired with memcpy."""
+    out, table = run
+    st = out["sglang_staging"]
+    assert st["available"] is True, st  # torch is installed where the tests run (the sglang extra)
+    for k in ("gather_gbps", "scatter_gbps", "gather_vs_memcpy", "scatter_vs_memcpy"):
+        assert _pos(st[k]), (k, st)
+    assert len(st["gather_rounds"]) == len(st["scatter_rounds"]) == out["target_repeats"]  # the 1 MiB block
+    assert st["mismatched_bytes"] == 0
+    assert "SGLang backend staging, 1 MiB pages (CPU): gather" in table

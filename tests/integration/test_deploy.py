@@ -31,7 +31,7 @@ from transferd.config import Config, ReceiverConfig, SenderConfig, load
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMD = ROOT / "deploy" / "systemd"
-UNITS = ["transferd-receiver.service", "transferd-sender@.service"]
+UNITS = ["transferd-receiver.service", "transferd-sender@.service", "sglang-prefill.service", "sglang-decode.service"]
 COMPOSE = ROOT / "deploy" / "compose" / "docker-compose.yml"
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 APT = "apt-get install -y --no-install-recommends systemd docker-compose"
@@ -106,8 +106,9 @@ def verifiable_copy(name: str, dest: Path, edit: tuple[str, str] | None = None) 
     text = (SYSTEMD / name).read_text()
     script = Path(sys.executable).with_name("transferd")
     binary = str(script) if os.access(script, os.X_OK) else "/bin/true"
-    assert "ExecStart=/usr/local/bin/transferd " in text
-    text = text.replace("ExecStart=/usr/local/bin/transferd ", f"ExecStart={binary} ")
+    exe = "/opt/sglang/bin/python" if name.startswith("sglang-") else "/usr/local/bin/transferd"
+    assert f"ExecStart={exe} " in text
+    text = text.replace(f"ExecStart={exe} ", f"ExecStart={sys.executable if name.startswith('sglang-') else binary} ")
     if edit is not None:
         assert edit[0] in text, f"{edit[0]!r} not in {name}"
         text = text.replace(edit[0], edit[1], 1)
@@ -140,7 +141,7 @@ def test_verify_catches_a_broken_unit(edit: tuple[str, str], tmp_path: Path) -> 
     assert verify_problems(unit) != ""
 
 
-@pytest.mark.parametrize("name", UNITS)
+@pytest.mark.parametrize("name", UNITS[:2])
 def test_unit_settings(name: str) -> None:
     unit = parse_unit((SYSTEMD / name).read_text())
     svc = unit["Service"]
@@ -175,6 +176,32 @@ def test_unit_settings(name: str) -> None:
         assert exec_start[1:] == ["sender", "--config", "/etc/transferd/sender.toml", "--cp-rank", "%i"]
     else:
         assert exec_start[1:] == ["receiver", "--config", "/etc/transferd/receiver.toml"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_sglang_units_start_sglang_on_transferd(role: str) -> None:
+    """The SGLang server units: after the node's transferd units, as their user, reading the same
+    configuration file, with the transferd backend; and the prefill server's bootstrap address is the
+    one configs/sglang-cp8.toml maps to the prefill group."""
+    unit = parse_unit((SYSTEMD / f"sglang-{role}.service").read_text())
+    svc = unit["Service"]
+    cfg_file = "/etc/transferd/sender.toml" if role == "prefill" else "/etc/transferd/receiver.toml"
+    assert f"TRANSFERD_CONFIG={cfg_file}" in svc["Environment"]
+    assert "TRANSFERD_RUN_DIR=/run/transferd" in svc["Environment"]
+    assert svc["User"] == svc["Group"] == ["transferd"]
+    assert svc["RemoveIPC"] == ["no"]
+    needs = " ".join(unit["Unit"]["Requires"]).split()
+    assert needs == ([f"transferd-sender@{r}.service" for r in range(8)] if role == "prefill"
+                     else ["transferd-receiver.service"])
+    argv = svc["ExecStart"][0].split()
+    assert argv[argv.index("--disaggregation-transfer-backend") + 1] == "transferd"
+    assert argv[argv.index("--disaggregation-mode") + 1] == role
+    cfg = load(ROOT / "configs" / "sglang-cp8.toml", env={})
+    if role == "prefill":
+        host = argv[argv.index("--host") + 1]
+        port = argv[argv.index("--disaggregation-bootstrap-port") + 1]
+        assert f"{host}:{port}={cfg.sender.group}" in cfg.sglang.groups
+        assert int(argv[argv.index("--attn-cp-size") + 1]) == cfg.sender.cp_size
 
 
 def test_default_file_names_only_real_settings() -> None:

@@ -272,6 +272,19 @@ def _peers(f: Figures, b: Bench) -> dict[str, Any]:
             "mooncake_tcp_mismatched_bytes": mooncake.mismatched}
 
 
+def _staging(f: Figures, b: Bench) -> dict[str, Any]:
+    """The SGLang backend's staging copies (engine buffers <-> pool, CPU), paired with memcpy."""
+    if "staging_gather/1MiB" not in b.results:
+        return {"available": False, "note": b.notes.get("sglang_staging", "not measured in this run")}
+    return {"available": True,
+            "gather_gbps": rnd(f.med("staging_gather/1MiB", "gbps"), 3),
+            "scatter_gbps": rnd(f.med("staging_scatter/1MiB", "gbps"), 3),
+            "gather_vs_memcpy": rnd(f.paired("staging_gather/1MiB", "memcpy/1MiB"), 3),
+            "scatter_vs_memcpy": rnd(f.paired("staging_scatter/1MiB", "memcpy/1MiB"), 3),
+            "gather_rounds": f.rounds("staging_gather/1MiB"), "scatter_rounds": f.rounds("staging_scatter/1MiB"),
+            "mismatched_bytes": b.staging.mismatched if b.staging is not None else 0}
+
+
 def report(b: Bench) -> dict[str, Any]:
     """The JSON of a run (its shape is part of the interface: tests/integration/test_bench.py)."""
     f = Figures(b.results)
@@ -293,8 +306,9 @@ def report(b: Bench) -> dict[str, Any]:
         "host": host(), "limits": limits, "bulk": bulk,
         "same_host": same_host,
         "small_rooms": small, "dedup": dedup, "ratios": ratios, "targets": targets,
-        "peers": _peers(f, b), "notes": b.notes,
-        "mismatched_bytes": fleet.mismatched, "verified_rooms": fleet.verified_rooms,
+        "peers": _peers(f, b), "sglang_staging": _staging(f, b), "notes": b.notes,
+        "mismatched_bytes": fleet.mismatched + (b.staging.mismatched if b.staging is not None else 0),
+        "verified_rooms": fleet.verified_rooms,
         "rooms_ok": fleet.ok_rooms, "rooms_failed": sum(fleet.failed_rooms.values()),
         "rooms_failed_by_reason": dict(fleet.failed_rooms),
     }
@@ -362,6 +376,13 @@ def format_table(out: dict[str, Any]) -> str:
                      f"{_f(shc['vs_memcpy'])} × memcpy 1 MiB")
     else:
         lines.append(f"same-host path: — ({sh['note']})")
+    st = out.get("sglang_staging", {})
+    if st.get("available"):
+        lines.append(f"SGLang backend staging, 1 MiB pages (CPU): gather {_f(st['gather_gbps'])} GB/s "
+                     f"({_f(st['gather_vs_memcpy'])} × memcpy), scatter {_f(st['scatter_gbps'])} GB/s "
+                     f"({_f(st['scatter_vs_memcpy'])} × memcpy)")
+    else:
+        lines.append(f"SGLang backend staging: — ({st.get('note', 'not measured')})")
     lines.append("")
     sr = out["small_rooms"]
     lines.append(f"small rooms (1 page of {sr['room']['kv_bytes'] // 1024} KiB over {sr['room']['messages_per_room_rank0'] - 1} "

@@ -25,6 +25,8 @@ from ..rooms import write_guard
 from .cluster import Cluster, Fleet
 from .peers import Limits
 from .plan import BULK_KEYS, BULK_LAYERS, DEDUP_CPS, SIZES, SMALL_CPS, Filler, Plan, cpu_seconds, schedule
+from .staging import StagingBench
+from .staging import available as staging_available
 
 log = logging.getLogger(__name__)
 Subject = Callable[[], dict[str, Any]]
@@ -49,6 +51,7 @@ class Bench:
         self.notes: dict[str, str] = {}
         self.codes: dict[str, int | None] = {}
         self.only: list[str] = []  # subject globs (--only); empty: all
+        self.staging: StagingBench | None = None  # the SGLang backend's copies (needs torch)
 
     def say(self, msg: str) -> None:
         if self.progress:
@@ -59,6 +62,10 @@ class Bench:
         p, fleet = self.plan, self.fleet
         deadline = time.monotonic() + 180.0
         self.limits.start(fleet.procs, self.run_dir, self.notes)
+        if staging_available():
+            self.staging = StagingBench(p.bulk_room_bytes * 2, self.tag)
+        else:
+            self.notes["sglang_staging"] = "torch is not installed (pip install -e '.[sglang]')"
         # receivers first (their addresses are picked by the kernel), then every sender at once
         for key in ("64KiB", "256KiB", "1MiB"):
             pages = p.bulk_room_bytes // (BULK_LAYERS * SIZES[key])
@@ -314,6 +321,9 @@ class Bench:
         if lim.mooncake is not None:
             for key in SIZES:
                 out.append((f"mooncake/{key}", partial(self.mooncake_tcp, key)))
+        if self.staging is not None:
+            out.append(("staging_gather/1MiB", self.staging.gather))
+            out.append(("staging_scatter/1MiB", self.staging.scatter))
         if self.only:
             out = [(n, fn) for n, fn in out if any(fnmatch.fnmatchcase(n, g) for g in self.only)]
         return out
@@ -344,6 +354,9 @@ class Bench:
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
         self.limits.stop_sender()
         self.fleet.close_clients()
         self.limits.close()
