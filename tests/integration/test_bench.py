@@ -197,3 +197,13 @@ def test_sglang_staging_copies_are_measured_beside_memcpy(run: tuple[dict[str, A
     assert len(st["gather_rounds"]) == len(st["scatter_rounds"]) == out["target_repeats"]  # the 1 MiB block
     assert st["mismatched_bytes"] == 0
     assert "SGLang backend staging, 1 MiB pages (CPU): gather" in table
+
+
+def test_rooms_through_the_sglang_backend_beside_the_plain_client(run: tuple[dict[str, Any], str]) -> None:
+    out, table = run
+    sg = out["sglang_room"]
+    assert sg["available"] is True, sg  # SGLang is installed where the tests run (docs/ENGINES.md)
+    for k in ("backend_gbps", "client_gbps", "backend_vs_client", "backend_ms", "client_ms"):
+        assert _pos(sg[k]), (k, sg)
+    assert sg["mismatched_bytes"] == 0 and sg["rooms_failed"] == 0
+    assert "SGLang backend, 4 rooms of 16 MiB end to end" in table

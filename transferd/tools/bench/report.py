@@ -285,6 +285,21 @@ def _staging(f: Figures, b: Bench) -> dict[str, Any]:
             "mismatched_bytes": b.staging.mismatched if b.staging is not None else 0}
 
 
+def _sglang_room(f: Figures, b: Bench) -> dict[str, Any]:
+    """Rooms through the SGLang backend beside the same rooms through the plain client."""
+    if "e2e_backend/sglang" not in b.results:
+        return {"available": False, "note": b.notes.get("sglang_room", "not measured in this run")}
+    sgl = b.sgl
+    return {"available": True, "rooms_per_measurement": 4,
+            "backend_gbps": rnd(f.med("e2e_backend/sglang", "gbps"), 3),
+            "client_gbps": rnd(f.med("e2e_client/sglang", "gbps"), 3),
+            "backend_vs_client": rnd(f.paired("e2e_backend/sglang", "e2e_client/sglang"), 3),
+            "backend_ms": rnd(1e3 * (f.med("e2e_backend/sglang", "seconds") or 0), 2),
+            "client_ms": rnd(1e3 * (f.med("e2e_client/sglang", "seconds") or 0), 2),
+            "mismatched_bytes": sgl.mismatched if sgl is not None else 0,
+            "rooms_failed": sgl.rooms_failed if sgl is not None else 0}
+
+
 def report(b: Bench) -> dict[str, Any]:
     """The JSON of a run (its shape is part of the interface: tests/integration/test_bench.py)."""
     f = Figures(b.results)
@@ -306,10 +321,13 @@ def report(b: Bench) -> dict[str, Any]:
         "host": host(), "limits": limits, "bulk": bulk,
         "same_host": same_host,
         "small_rooms": small, "dedup": dedup, "ratios": ratios, "targets": targets,
-        "peers": _peers(f, b), "sglang_staging": _staging(f, b), "notes": b.notes,
-        "mismatched_bytes": fleet.mismatched + (b.staging.mismatched if b.staging is not None else 0),
+        "peers": _peers(f, b), "sglang_staging": _staging(f, b),
+        "sglang_room": _sglang_room(f, b), "notes": b.notes,
+        "mismatched_bytes": fleet.mismatched + (b.staging.mismatched if b.staging is not None else 0)
+        + (b.sgl.mismatched if b.sgl is not None else 0),
         "verified_rooms": fleet.verified_rooms,
-        "rooms_ok": fleet.ok_rooms, "rooms_failed": sum(fleet.failed_rooms.values()),
+        "rooms_ok": fleet.ok_rooms,
+        "rooms_failed": sum(fleet.failed_rooms.values()) + (b.sgl.rooms_failed if b.sgl is not None else 0),
         "rooms_failed_by_reason": dict(fleet.failed_rooms),
     }
 
@@ -383,6 +401,13 @@ def format_table(out: dict[str, Any]) -> str:
                      f"({_f(st['scatter_vs_memcpy'])} × memcpy)")
     else:
         lines.append(f"SGLang backend staging: — ({st.get('note', 'not measured')})")
+    sg = out.get("sglang_room", {})
+    if sg.get("available"):
+        lines.append(f"SGLang backend, {sg['rooms_per_measurement']} rooms of 16 MiB end to end: {_f(sg['backend_gbps'])} "
+                     f"GB/s ({_f(sg['backend_ms'])} ms), plain client {_f(sg['client_gbps'])} GB/s "
+                     f"({_f(sg['client_ms'])} ms): {_f(sg['backend_vs_client'])} × the client")
+    else:
+        lines.append(f"SGLang backend rooms: — ({sg.get('note', 'not measured')})")
     lines.append("")
     sr = out["small_rooms"]
     lines.append(f"small rooms (1 page of {sr['room']['kv_bytes'] // 1024} KiB over {sr['room']['messages_per_room_rank0'] - 1} "

@@ -25,6 +25,8 @@ from ..rooms import write_guard
 from .cluster import Cluster, Fleet
 from .peers import Limits
 from .plan import BULK_KEYS, BULK_LAYERS, DEDUP_CPS, SIZES, SMALL_CPS, Filler, Plan, cpu_seconds, schedule
+from .sglang_room import SglangRoomBench
+from .sglang_room import available as sglang_available
 from .staging import StagingBench
 from .staging import available as staging_available
 
@@ -52,6 +54,7 @@ class Bench:
         self.codes: dict[str, int | None] = {}
         self.only: list[str] = []  # subject globs (--only); empty: all
         self.staging: StagingBench | None = None  # the SGLang backend's copies (needs torch)
+        self.sgl: SglangRoomBench | None = None  # a room through the SGLang backend (needs SGLang)
 
     def say(self, msg: str) -> None:
         if self.progress:
@@ -82,6 +85,10 @@ class Bench:
             fleet.group(c, f"b{c.name[4:]}", 1)
             fleet.group(c, f"s{c.name[4:]}", 1, same_host=True)
             fleet.group(c, f"z{c.name[4:]}", 1, stream=False)  # TCP through the ZeroMQ socket only
+        if sglang_available():  # a fourth group of the 1 MiB cluster: the rooms through the SGLang backend
+            fleet.group(self.bulk["1MiB"], "g1mib", 1)
+        else:
+            self.notes["sglang_room"] = "SGLang is not installed (docs/ENGINES.md, Installing)"
         for cp in DEDUP_CPS:
             fleet.group(ds, f"ds{cp}", cp)
         for cp in DEDUP_CPS[1:]:  # the same groups with the de-dup off: every rank ships the state
@@ -100,6 +107,9 @@ class Bench:
                 g.pools = [Pool.attach(g.cfg.sender_pool_name(r)) for r in range(g.cp)]
         self._prepare_bulk()
         self._prepare_ds()
+        if "g1mib" in self.bulk["1MiB"].groups:
+            self.say("importing SGLang")
+            self.sgl = SglangRoomBench(self.bulk["1MiB"], self.bulk["1MiB"].groups["g1mib"], self.run_dir)
         for c in fleet.clusters.values():
             assert c.dc is not None
             c.dc.timeout_s = 30.0
@@ -324,6 +334,9 @@ class Bench:
         if self.staging is not None:
             out.append(("staging_gather/1MiB", self.staging.gather))
             out.append(("staging_scatter/1MiB", self.staging.scatter))
+        if self.sgl is not None:
+            out.append(("e2e_backend/sglang", self.sgl.backend))
+            out.append(("e2e_client/sglang", self.sgl.client))
         if self.only:
             out = [(n, fn) for n, fn in out if any(fnmatch.fnmatchcase(n, g) for g in self.only)]
         return out
@@ -357,6 +370,8 @@ class Bench:
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+        if self.sgl is not None:
+            self.sgl.close()
         self.limits.stop_sender()
         self.fleet.close_clients()
         self.limits.close()
