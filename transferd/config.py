@@ -122,6 +122,7 @@ class SglangConfig:
     # (this decode rank's attention-TP rank).
     groups: tuple[str, ...] = ()
     default_group: str = ""  # the group for a bootstrap address not in `groups` ("" = such a room fails)
+    peer_tp_size: int = 0  # the other side's attention-TP size (0 = the same as this side's)
     device: str = "auto"  # where the engine's KV lives: "auto" (cuda if torch sees a GPU), "cpu", "cuda"
     poll_interval_s: float = 0.001  # one batched status call per interval serves every room's poll()
     client_timeout_s: float = 10.0  # a daemon that does not answer within this fails the call
@@ -250,6 +251,8 @@ class Config:
             if not sep or not group.strip():
                 raise ConfigError(f"sglang.groups[{i}] {entry!r} must read HOST:PORT=GROUP")
             parse_hostport(addr.strip(), f"sglang.groups[{i}]")
+        if g.peer_tp_size < 0:
+            raise ConfigError(f"sglang.peer_tp_size must be >= 0 (0: the same as this side's), not {g.peer_tp_size}")
         if g.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"sglang.device must be 'auto', 'cpu' or 'cuda', not {g.device!r}")
         _at_least(0, True, g.poll_interval_s, "sglang.poll_interval_s", g.client_timeout_s, "sglang.client_timeout_s")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from transferd.config import _model
-from transferd.engines.sglang.kvmap import map_kv_args, state_component_names, suggest_model
+from transferd.engines.sglang.kvmap import check_tp, map_kv_args, state_component_names, suggest_model
 from transferd.errors import LayoutError
 from transferd.layout import PoolLayout
 
@@ -98,3 +98,15 @@ def test_unsupported_engine_features_are_refused_by_name() -> None:
     odd.kv_data_ptrs, odd.kv_data_lens, odd.kv_item_lens = odd.kv_data_ptrs[:5], odd.kv_data_lens[:5], odd.kv_item_lens[:5]
     with pytest.raises(LayoutError, match=r"K and V buffers per layer, but KVArgs lists 5"):
         map_kv_args(odd, layout_for(kv_args()), False)
+
+
+def test_tp_sizes_that_cannot_pair_are_refused_at_construction() -> None:
+    check_tp(False, 4, 0, "decode")  # 0: the same TP on both sides
+    check_tp(False, 4, 4, "decode")
+    check_tp(True, 8, 2, "decode")  # MLA: every prefill TP rank holds the whole latent
+    with pytest.raises(LayoutError, match=r"decode attention TP 8 and prefill attention TP 4 differ on a non-MLA model"):
+        check_tp(False, 8, 4, "decode")
+    with pytest.raises(LayoutError, match=r"prefill attention TP 2 and decode attention TP 4 differ"):
+        check_tp(False, 2, 4, "prefill")
+    with pytest.raises(LayoutError, match=r"must divide one another"):
+        check_tp(True, 4, 3, "decode")

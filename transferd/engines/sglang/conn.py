@@ -46,7 +46,7 @@ from ...errors import ConfigError, TransferdError, UnknownRoom
 from ...pool.shm import Pool
 from ...protocol.policy import rank_plan
 from ...protocol.room import RoomState, RoomStatus
-from .kvmap import EngineMap, map_kv_args
+from .kvmap import EngineMap, check_tp, map_kv_args
 from .staging import Staging
 
 log = logging.getLogger("transferd.sglang")
@@ -159,7 +159,10 @@ class TransferdKVManager(BaseKVManager):  # type: ignore[misc]  # SGLang ships n
         if not self.is_prefill and disaggregation_mode != DisaggregationMode.DECODE:
             raise ConfigError(f"the transferd backend serves prefill or decode, not {disaggregation_mode}")
         self.tp_rank = par["attn_tp_rank"] if isinstance(par["attn_tp_rank"], int) else 0
+        self.tp_size = par["attn_tp_size"] if isinstance(par["attn_tp_size"], int) else 1
         g = self.cfg.sglang
+        check_tp(self.is_mla_backend, self.tp_size, g.peer_tp_size, "prefill" if self.is_prefill else "decode")
+        self.peer_tp = g.peer_tp_size or self.tp_size
         if self.is_prefill:
             cp_size = par["attn_cp_size"] if isinstance(par["attn_cp_size"], int) else None
             cp_rank = par["attn_cp_rank"] if isinstance(par["attn_cp_rank"], int) else None
@@ -228,7 +231,9 @@ class TransferdKVManager(BaseKVManager):  # type: ignore[misc]  # SGLang ships n
             known = ", ".join(sorted(self.groups)) or "none"
             raise ConfigError(f"no transferd group is configured for the prefill bootstrap address {bootstrap_addr} "
                               f"(known: {known}); add \"{bootstrap_addr}=GROUP\" to [sglang] groups in {self.cfg.source}")
-        return template.format(dp=prefill_dp_rank, tp=self.tp_rank)
+        # {tp}: this decode rank's TP rank; {prefill_tp}: the prefill TP rank that holds its pages
+        # (MLA: every prefill TP rank holds the whole latent, so decode rank t reads t mod prefill TP)
+        return template.format(dp=prefill_dp_rank, tp=self.tp_rank, prefill_tp=self.tp_rank % self.peer_tp)
 
     @property
     def prefill(self) -> PrefillClient:

@@ -120,6 +120,18 @@ def suggest_model(kv_args: Any, is_mla: bool) -> dict[str, Any]:
     return out
 
 
+def check_tp(is_mla: bool, own_tp: int, peer_tp: int, role: str) -> None:
+    """Refuse prefill and decode attention-TP sizes that the backend cannot pair: on a non-MLA model
+    each TP rank holds other heads, so a page of one side is not a page of the other."""
+    if peer_tp and peer_tp != own_tp and not is_mla:
+        other = "decode" if role == "prefill" else "prefill"
+        raise LayoutError(f"{role} attention TP {own_tp} and {other} attention TP {peer_tp} differ on a non-MLA model: "
+                          f"the transferd backend moves whole pages between equal TP ranks only (each rank holds "
+                          f"other KV heads); run both sides with the same TP, or use the mooncake backend")
+    if peer_tp and peer_tp != own_tp and max(own_tp, peer_tp) % min(own_tp, peer_tp):
+        raise LayoutError(f"attention TP sizes {own_tp} and {peer_tp} must divide one another")
+
+
 def map_kv_args(kv_args: Any, layout: PoolLayout, is_mla: bool, where: str = "pool") -> EngineMap:
     """Line ``kv_args`` up with ``layout``; raise :class:`LayoutError` naming the first mismatch."""
     def fail(what: str) -> LayoutError:
