@@ -13,7 +13,6 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, cast
 
-import msgpack
 import numpy as np
 import zmq
 
@@ -39,6 +38,7 @@ from .protocol.engine_api import (
     builds,
     call_map,
     decode_reply,
+    packer,
     request_map,
 )
 from .protocol.room import RoomState, RoomStatus
@@ -55,7 +55,7 @@ _PING, _STATS, _STATUS = Ping(), Stats(), Status()  # no fields: one of each ser
 
 
 def _pages(v: Rows) -> list[int]:
-    return list(map(int, v.tolist() if hasattr(v, "tolist") else v))
+    return list(map(int, v if type(v) is list else v.tolist() if hasattr(v, "tolist") else v))
 
 
 def _int(v: Any) -> Any:
@@ -109,6 +109,7 @@ class _Client:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._pack = packer()  # used under the lock only
 
     def call(self, op: str, reply_timeout_s: float | None = None, **args: Any) -> Any:
         """Send one request, ``{"id", "v", "op", **args}`` with ``args`` as given (the daemon
@@ -123,7 +124,7 @@ class _Client:
         timeout = self.timeout_s if reply_timeout_s is None else reply_timeout_s
         with self._lock:
             rid = next(self._ids)
-            self._sock.send(msgpack.packb(request_map(rid, op, args), use_bin_type=True))
+            self._sock.send(self._pack(request_map(rid, op, args)))
             while True:
                 if not self._sock.poll(int(timeout * 1000)):
                     # the reply may still come: a fresh socket keeps later calls from reading it

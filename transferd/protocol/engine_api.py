@@ -366,16 +366,18 @@ def parse_request(obj: Any, served: Mapping[str, type[Request]]) -> Request:
     """
     if not isinstance(obj, dict):
         raise DecodeError("malformed request: request must be a map with a string 'op'")
-    _check_version(obj)
+    v = obj.get("v", _UNVERSIONED)
+    if type(v) is not int or v != LOCAL_API_VERSION:
+        _check_version(obj)  # raises, with the message
     op = obj.get("op")
     if not isinstance(op, str):
         raise DecodeError("malformed request: request must be a map with a string 'op'")
-    if op == Batch.op:
-        return _parse_batch(obj, served)
     cls = served.get(op)
-    if cls is None:
-        raise _unknown_op(op, served)
-    return cls.from_wire(obj, _TOP)
+    if cls is not None:
+        return cls._decode(obj, _TOP)  # type: ignore[no-any-return]
+    if op == "batch":
+        return _parse_batch(obj, served)
+    raise _unknown_op(op, served)
 
 
 def _parse_batch(obj: dict[Any, Any], served: Mapping[str, type[Request]]) -> Batch:
@@ -483,12 +485,14 @@ def reply_body(reply: Reply) -> dict[str, Any]:
     return {"ok": True, "result": [reply_body(r) for r in reply.replies]}
 
 
-def encode_reply(rid: Any, reply: Reply) -> bytes:
+def encode_reply(rid: Any, reply: Reply, pack: Callable[[Any], bytes] | None = None) -> bytes:
+    """A reply frame; ``pack`` is a :func:`packer`'s (one thread's), or None for a fresh one."""
+    pack = pack or _pack
     if type(reply) is Ok:  # the common case, without the intermediate map
         result = reply.result
-        return _pack({"id": rid, "v": LOCAL_API_VERSION, "ok": True,
-                      "result": result.to_wire() if isinstance(result, RoomStatus) else result})
-    return _pack({"id": rid, "v": LOCAL_API_VERSION, **reply_body(reply)})
+        return pack({"id": rid, "v": LOCAL_API_VERSION, "ok": True,
+                     "result": result.to_wire() if isinstance(result, RoomStatus) else result})
+    return pack({"id": rid, "v": LOCAL_API_VERSION, **reply_body(reply)})
 
 
 def decode_reply(body: bytes) -> tuple[Any, Ok | Refusal]:
@@ -552,6 +556,12 @@ def builds(cls: type[R], items: Sequence[R | Mapping[str, Any]]) -> list[R | Tra
         except TransferdError as exc:
             out.append(exc)
     return out
+
+
+def packer() -> Callable[[Any], bytes]:
+    """A msgpack packer of this wire's options, to keep and reuse from ONE thread (``msgpack.packb``
+    builds a new Packer, and its buffer, on every call)."""
+    return msgpack.Packer(use_bin_type=True).pack
 
 
 def _pack(obj: Any) -> bytes:
