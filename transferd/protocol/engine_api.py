@@ -3,9 +3,9 @@ and the API version (pure; docs/PROTOCOL.md §17 describes the same format in pr
 
 A request is one msgpack map ``{"id": any, "v": LOCAL_API_VERSION, "op": str, ...fields}``; a
 reply is ``{"id": echoed, "v": LOCAL_API_VERSION, "ok": true, "result": value}`` or ``{"id", "v",
-"ok": false, "code": str, "error": str}``. Each op is a frozen dataclass below whose fields are
+"ok": false, "code": str, "error": str}``. Each op is a slotted dataclass below whose fields are
 the request's fields; :func:`parse_request` checks every one of them (types, bounds, unknown
-fields) before a daemon acts on it. :data:`RECEIVER_OPS` and :data:`SENDER_OPS` say which ops each
+fields) before a daemon acts on it, with a decoder generated per class from those fields. :data:`RECEIVER_OPS` and :data:`SENDER_OPS` say which ops each
 daemon serves; an op of the other daemon is an unknown op there.
 """
 
