@@ -13,7 +13,6 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, cast
 
-import msgpack
 import numpy as np
 import zmq
 
@@ -36,10 +35,10 @@ from .protocol.engine_api import (
     Status,
     Submit,
     batch_replies,
-    build,
     builds,
     call_map,
     decode_reply,
+    packer,
     request_map,
 )
 from .protocol.room import RoomState, RoomStatus
@@ -52,14 +51,35 @@ Rows = Sequence[int] | np.ndarray
 
 R = TypeVar("R", bound=Request)
 
+_PING, _STATS, _STATUS = Ping(), Stats(), Status()  # no fields: one of each serves every call
+
 
 def _pages(v: Rows) -> list[int]:
-    return list(map(int, v.tolist() if hasattr(v, "tolist") else v))
+    return list(map(int, v if type(v) is list else v.tolist() if hasattr(v, "tolist") else v))
 
 
 def _int(v: Any) -> Any:
     """A numpy integer as a Python int; anything else as it is (the request's check judges it)."""
-    return int(v) if isinstance(v, np.integer) else v
+    return v if type(v) is int or type(v) is str else int(v) if isinstance(v, np.integer) else v
+
+
+def _rows(v: Any) -> Any:
+    """Page or slot indices (a sequence, a range, a numpy array) as a list of Python ints;
+    anything else as it is (the request's check judges it)."""
+    v = _int(v)
+    return _pages(v) if not isinstance(v, (str, bytes)) and hasattr(v, "__iter__") else v
+
+
+def _slot_map(v: Any) -> Any:
+    if v is None:
+        return v
+    v = _int(v)
+    return {k: _pages(x) for k, x in v.items()} if isinstance(v, Mapping) else v
+
+
+def _aux(v: Any) -> Any:
+    v = _int(v)
+    return int(v) if v is not None and not isinstance(v, bool) else v
 
 
 def _normalize(args: Mapping[str, Any]) -> dict[str, Any]:
@@ -89,6 +109,7 @@ class _Client:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._pack = packer()  # used under the lock only
 
     def call(self, op: str, reply_timeout_s: float | None = None, **args: Any) -> Any:
         """Send one request, ``{"id", "v", "op", **args}`` with ``args`` as given (the daemon
@@ -103,7 +124,7 @@ class _Client:
         timeout = self.timeout_s if reply_timeout_s is None else reply_timeout_s
         with self._lock:
             rid = next(self._ids)
-            self._sock.send(msgpack.packb(request_map(rid, op, args), use_bin_type=True))
+            self._sock.send(self._pack(request_map(rid, op, args)))
             while True:
                 if not self._sock.poll(int(timeout * 1000)):
                     # the reply may still come: a fresh socket keeps later calls from reading it
@@ -153,13 +174,13 @@ class _Client:
         self.close()
 
     def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return cast(dict[str, Any], self.request(Ping(), timeout_s))
+        return cast(dict[str, Any], self.request(_PING, timeout_s))
 
     def stats(self) -> dict[str, Any]:
-        return cast(dict[str, Any], self.request(Stats()))
+        return cast(dict[str, Any], self.request(_STATS))
 
     def status(self) -> dict[str, Any]:
-        return cast(dict[str, Any], self.request(Status()))
+        return cast(dict[str, Any], self.request(_STATUS))
 
 
 def _status(result: Any) -> RoomStatus:
@@ -179,20 +200,22 @@ class PrefillClient(_Client):
 
     def submit(self, room: int, start: int, src_pages: Rows, *, last: bool = False,
                state: Mapping[str, Rows] | None = None, aux_slot: int | None = None) -> RoomStatus:
-        req = build(Submit, _normalize(dict(room=room, start=start, src_pages=src_pages, last=last,
-                                            state=state, aux_slot=aux_slot)))
+        # what _normalize does, spelt out for the one call (in its order: pages, state, last, aux_slot)
+        pages, slots, ends, aux = _rows(src_pages), _slot_map(state), bool(_int(last)), _aux(aux_slot)
+        req = Submit.from_wire({"room": _int(room), "start": _int(start), "src_pages": pages, "last": ends,
+                                "state": slots, "aux_slot": aux})
         return _status(self.request(req))
 
     def poll(self, room: int) -> RoomStatus:
-        return _status(self.request(build(SenderPoll, _normalize({"room": room}))))
+        return _status(self.request(SenderPoll.from_wire({"room": _int(room)})))
 
     def wait(self, room: int, timeout_s: float = 60.0) -> RoomStatus:
         """Block until the room is Success or Failed, or ``timeout_s`` passes (then its current status)."""
-        req = build(SenderWait, _normalize({"room": room, "timeout_s": timeout_s}))
+        req = SenderWait.from_wire({"room": _int(room), "timeout_s": _int(timeout_s)})
         return _status(self.request(req, timeout_s + self.timeout_s))
 
     def abort(self, room: int, reason: str = "") -> RoomStatus:
-        return _status(self.request(build(SenderAbort, _normalize({"room": room, "reason": reason}))))
+        return _status(self.request(SenderAbort.from_wire({"room": _int(room), "reason": _int(reason)})))
 
     def submit_many(self, chunks: Sequence[Submit | Mapping[str, Any]]) -> list[RoomStatus | TransferdError]:
         """Several :meth:`submit` calls in one round trip, each a :class:`Submit` or a dict of
@@ -206,23 +229,25 @@ class DecodeClient(_Client):
 
     def expect(self, room: int, group: str, dst_pages: Rows, *, aux_slot: int, prefix_pages: int = 0,
                state: Mapping[str, Rows] | None = None) -> RoomStatus:
-        req = build(Expect, _normalize(dict(room=room, group=group, dst_pages=dst_pages, aux_slot=aux_slot,
-                                            prefix_pages=prefix_pages, state=state)))
+        pages, slots, aux = _rows(dst_pages), _slot_map(state), _aux(aux_slot)  # as _normalize does
+        req = Expect.from_wire({"room": _int(room), "group": _int(group), "dst_pages": pages, "aux_slot": aux,
+                                "prefix_pages": _int(prefix_pages), "state": slots})
         return _status(self.request(req))
 
     def poll(self, room: int, group: str) -> RoomStatus:
-        return _status(self.request(build(ReceiverPoll, _normalize({"room": room, "group": group}))))
+        return _status(self.request(ReceiverPoll.from_wire({"room": _int(room), "group": _int(group)})))
 
     def wait(self, room: int, group: str, timeout_s: float = 60.0) -> RoomStatus:
-        req = build(ReceiverWait, _normalize({"room": room, "group": group, "timeout_s": timeout_s}))
+        req = ReceiverWait.from_wire({"room": _int(room), "group": _int(group), "timeout_s": _int(timeout_s)})
         return _status(self.request(req, timeout_s + self.timeout_s))
 
     def abort(self, room: int, group: str, reason: str = "") -> RoomStatus:
         """Once this returns, no further byte of the room is written to the decode pool."""
-        return _status(self.request(build(ReceiverAbort, _normalize({"room": room, "group": group, "reason": reason}))))
+        return _status(self.request(ReceiverAbort.from_wire({"room": _int(room), "group": _int(group),
+                                                             "reason": _int(reason)})))
 
     def release(self, room: int, group: str) -> RoomStatus:
-        return _status(self.request(build(Release, _normalize({"room": room, "group": group}))))
+        return _status(self.request(Release.from_wire({"room": _int(room), "group": _int(group)})))
 
     def expect_many(self, rooms: Sequence[Expect | Mapping[str, Any]]) -> list[RoomStatus | TransferdError]:
         """Several :meth:`expect` calls in one round trip, each an :class:`Expect` or a dict of

@@ -466,6 +466,37 @@ def test_the_prefill_client(sender: tuple[Served, FakeSender]) -> None:
     pc.close()
 
 
+def test_a_reply_that_cannot_be_encoded_is_an_internal_error_and_the_next_one_is_whole(
+        endpoint: str, raw: Raw) -> None:
+    """The server keeps one msgpack Packer: a reply that fails half-way must not leave its bytes
+    in the next one."""
+    fake = FakeReceiver()
+    table = receiver_api.handlers(fake)
+    table[Stats] = lambda r: {"role": "receiver", "bad": object()}
+    s = Served(endpoint, table)
+    try:
+        reply = raw.ask({"id": 1, "v": V, "op": "stats"})
+        assert reply["id"] == 1 and reply["ok"] is False and reply["code"] == "internal"
+        assert reply["error"].startswith("internal error: reply not encodable: ")
+        assert raw.ask({"id": 2, "v": V, "op": "ping"}) == {"id": 2, "v": V, "ok": True,
+                                                             "result": {"name": "decode0", "pid": 1}}
+    finally:
+        s.close()
+
+
+def test_a_client_packs_each_request_alone(receiver: tuple[Served, FakeReceiver]) -> None:
+    """The client keeps one msgpack Packer too: an argument msgpack cannot carry fails that call
+    alone; the next request goes out whole."""
+    s, fake = receiver
+    dc = DecodeClient(s.srv.bound, timeout_s=20)
+    with pytest.raises(TypeError):
+        dc.call("poll", room=1, group=object())
+    assert dc.ping() == {"name": "decode0", "pid": 1}
+    assert dc.expect(8, "g", [1, 2], aux_slot=0) == WAITING
+    assert fake.calls[-1] == ("expect", RoomRequest(8, "g", (1, 2), 0, {}, 0))
+    dc.close()
+
+
 # -- the handler tables --------------------------------------------------------------------------------
 
 def test_each_role_handles_exactly_its_requests() -> None:

@@ -51,6 +51,7 @@ from transferd.protocol.engine_api import (
     decode_request,
     encode_reply,
     encode_request,
+    packer,
     parse_request,
     request_map,
 )
@@ -386,6 +387,31 @@ def test_a_batch_sent_is_its_calls_without_ids() -> None:
     assert call_map(SenderPoll(room=1)) == {"op": "poll", "room": 1}
     with pytest.raises(TypeError):
         Batch((BadRequest("no"),)).to_wire()
+
+
+def test_requests_are_compiled_from_their_fields() -> None:
+    """Each op's decoder and to_wire are generated from its dataclass fields: every field, in
+    declaration order, and nothing else."""
+    from dataclasses import fields
+    for cls in {*RECEIVER_OPS.values(), *SENDER_OPS.values()}:
+        names = [f.name for f in fields(cls)]
+        sample = next(r for r in (*RECEIVER_SAMPLES, *SENDER_SAMPLES) if type(r) is cls)
+        assert list(sample.to_wire()) == names, cls
+        assert cls.from_wire(sample.to_wire()) == sample
+        assert cls.from_wire({**sample.to_wire(), "id": 1, "v": V, "op": cls.op}, frozenset({"id", "v", "op"})) == sample
+        with pytest.raises(BadRequest, match=f"^{cls.op}: unknown field 'id'$"):
+            cls.from_wire({**sample.to_wire(), "id": 1})
+
+
+def test_a_kept_packer_packs_each_map_alone() -> None:
+    pack = packer()
+    assert msgpack.unpackb(pack({"a": 1})) == {"a": 1}
+    assert msgpack.unpackb(pack({"b": b"x"})) == {"b": b"x"}  # bin type, as packb(use_bin_type=True)
+    with pytest.raises(TypeError):
+        pack({"c": object()})
+    assert pack({"d": [1, 2]}) == msgpack.packb({"d": [1, 2]}, use_bin_type=True)
+    body = encode_reply(7, Ok(RoomStatus(RoomState.SUCCESS)), pack)
+    assert body == encode_reply(7, Ok(RoomStatus(RoomState.SUCCESS)))
 
 
 # -- replies -------------------------------------------------------------------------------------

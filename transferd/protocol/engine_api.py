@@ -3,9 +3,9 @@ and the API version (pure; docs/PROTOCOL.md §17 describes the same format in pr
 
 A request is one msgpack map ``{"id": any, "v": LOCAL_API_VERSION, "op": str, ...fields}``; a
 reply is ``{"id": echoed, "v": LOCAL_API_VERSION, "ok": true, "result": value}`` or ``{"id", "v",
-"ok": false, "code": str, "error": str}``. Each op is a frozen dataclass below whose fields are
+"ok": false, "code": str, "error": str}``. Each op is a slotted dataclass below whose fields are
 the request's fields; :func:`parse_request` checks every one of them (types, bounds, unknown
-fields) before a daemon acts on it. :data:`RECEIVER_OPS` and :data:`SENDER_OPS` say which ops each
+fields) before a daemon acts on it, with a decoder generated per class from those fields. :data:`RECEIVER_OPS` and :data:`SENDER_OPS` say which ops each
 daemon serves; an op of the other daemon is an unknown op there.
 """
 
@@ -110,52 +110,93 @@ def _field(check: Check, **default: Any) -> Any:
     return field(metadata={"check": check}, **default)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Request:
-    """Base of every request. ``op`` names it on the wire; the fields are its wire fields."""
+    """Base of every request. ``op`` names it on the wire; the fields are its wire fields.
+
+    Requests are plain slotted objects (not frozen: a frozen dataclass pays ``object.__setattr__``
+    per field on every construction); nothing changes one after it is built. Each class's
+    :meth:`from_wire` and :meth:`to_wire` are compiled from its fields when the class is defined
+    (:func:`_compiled`): straight-line code in declaration order, no loop over the fields, no
+    intermediate dict."""
 
     op: ClassVar[str] = ""
+    _decode: ClassVar[Callable[[Mapping[Any, Any], frozenset[Any]], Any]]
 
     def to_wire(self) -> dict[str, Any]:
         """The request's fields (without ``id``, ``v`` and ``op``), every one of them."""
-        return {name: getattr(self, name) for name in _specs(type(self))}
+        return {}
 
     @classmethod
     def from_wire(cls: type[R], d: Mapping[Any, Any], envelope: frozenset[str] = frozenset()) -> R:
         """Decode and check the fields of ``d`` (which may also hold the ``envelope`` keys).
         Raises :class:`BadRequest` naming the first field that is unknown, missing or wrong."""
-        specs = _specs(cls)
-        for k in d:
-            if k not in specs and k not in envelope:
-                raise BadRequest(f"{cls.op}: unknown field {k!r}")
-        args: dict[str, Any] = {}
-        for name, (check, default) in specs.items():
-            if name in d:
-                args[name] = check(d[name], name)
-            elif default is MISSING:
-                raise BadRequest(f"{cls.op}: {name!r} is required")
-            else:
-                args[name] = default() if callable(default) else default
-        return cls(**args)
+        return cls._decode(d, envelope)  # type: ignore[no-any-return]
 
 
-_SPECS: dict[type[Request], dict[str, tuple[Check, Any]]] = {}
+_MISSING = object()
+_TOP = frozenset({"id", "v", "op"})
+_CALL = frozenset({"v", "op"})
 
 
-def _specs(cls: type[Request]) -> dict[str, tuple[Check, Any]]:
-    """Per field of ``cls``, in declaration order (the order checks run): its check and its
-    default (``MISSING`` when required; a callable is a factory)."""
-    spec = _SPECS.get(cls)
-    if spec is None:
-        spec = {f.name: (f.metadata["check"], f.default_factory if f.default is MISSING else f.default)
-                for f in fields(cls)}
-        _SPECS[cls] = spec
-    return spec
+def _compiled(cls: type[R]) -> type[R]:
+    """Give a request class its decoder and ``to_wire``, generated from its fields.
+
+    The decoder refuses an unknown key first (the first one in the map's order), then runs each
+    field's check in declaration order (the first bad or missing field is the one named), then
+    builds the object with its keyword ``__init__``: the rules of :meth:`Request.from_wire`, as
+    straight-line code."""
+    op = cls.op
+    specs = [(f.name, f.metadata["check"], f.default_factory if f.default is MISSING else f.default)
+             for f in fields(cls)]
+    names = frozenset(name for name, _, _ in specs)
+    allowed: dict[frozenset[Any], frozenset[Any]] = {e: names | e for e in (frozenset(), _TOP, _CALL)}
+    env: dict[str, Any] = {"_cls": cls, "_MISSING": _MISSING, "_allowed": allowed, "_unknown": _unknown_field,
+                           "_missing": _missing_field}
+    lines = ["def _decode(d, envelope):",
+             "    ok = _allowed.get(envelope)",
+             "    if ok is None:",
+             "        ok = _allowed[envelope] = _names | envelope",
+             "    if not d.keys() <= ok:",
+             "        _unknown(_op, d, ok)"]
+    env["_names"], env["_op"] = names, op
+    for i, (name, check, default) in enumerate(specs):
+        env[f"_c{i}"] = check
+        lines.append(f"    v = d.get({name!r}, _MISSING)")
+        if default is MISSING:
+            lines += ["    if v is _MISSING:", f"        _missing(_op, {name!r})", f"    a{i} = _c{i}(v, {name!r})"]
+        elif callable(default):
+            env[f"_d{i}"] = default
+            lines.append(f"    a{i} = _d{i}() if v is _MISSING else _c{i}(v, {name!r})")
+        else:
+            env[f"_d{i}"] = default
+            lines.append(f"    a{i} = _d{i} if v is _MISSING else _c{i}(v, {name!r})")
+    lines.append("    return _cls(" + ", ".join(f"{name}=a{i}" for i, (name, _, _) in enumerate(specs)) + ")")
+    lines += ["def to_wire(self):",
+              "    return {" + ", ".join(f"{name!r}: self.{name}" for name, _, _ in specs) + "}"]
+    exec("\n".join(lines), env)  # generated from the class's own field names
+    cls._decode = env["_decode"]
+    to_wire = env["to_wire"]
+    to_wire.__qualname__ = f"{cls.__qualname__}.to_wire"
+    to_wire.__doc__ = Request.to_wire.__doc__
+    cls.to_wire = to_wire  # type: ignore[method-assign]
+    return cls
+
+
+def _unknown_field(op: str, d: Mapping[Any, Any], allowed: frozenset[Any]) -> None:
+    for k in d:
+        if k not in allowed:
+            raise BadRequest(f"{op}: unknown field {k!r}")
+
+
+def _missing_field(op: str, name: str) -> None:
+    raise BadRequest(f"{op}: {name!r} is required")
 
 
 # prefill engine → sender ----------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class Submit(Request):
     """Queue one chunk of a room: source pages for positions ``[start, start + len)``."""
 
@@ -168,20 +209,23 @@ class Submit(Request):
     aux_slot: int | None = _field(optional_u64, default=None)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class SenderPoll(Request):
     op: ClassVar[str] = "poll"
     room: int = _field(u64)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class SenderWait(Request):
     op: ClassVar[str] = "wait"
     room: int = _field(u64)
     timeout_s: float = _field(seconds, default=60.0)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class SenderAbort(Request):
     op: ClassVar[str] = "abort"
     room: int = _field(u64)
@@ -190,7 +234,8 @@ class SenderAbort(Request):
 
 # decode engine → receiver ---------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class Expect(Request):
     """Destinations for a room coming from ``group`` (checked against the pool by the receiver)."""
 
@@ -207,14 +252,16 @@ class Expect(Request):
                            state=dict(self.state), aux_slot=self.aux_slot)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class ReceiverPoll(Request):
     op: ClassVar[str] = "poll"
     group: str = _field(nonempty_str)
     room: int = _field(u64)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class ReceiverWait(Request):
     op: ClassVar[str] = "wait"
     group: str = _field(nonempty_str)
@@ -222,7 +269,8 @@ class ReceiverWait(Request):
     timeout_s: float = _field(seconds, default=60.0)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class ReceiverAbort(Request):
     op: ClassVar[str] = "abort"
     group: str = _field(nonempty_str)
@@ -230,7 +278,8 @@ class ReceiverAbort(Request):
     reason: str = _field(text, default="")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@_compiled
+@dataclass(slots=True, kw_only=True)
 class Release(Request):
     op: ClassVar[str] = "release"
     group: str = _field(nonempty_str)
@@ -239,22 +288,25 @@ class Release(Request):
 
 # either daemon -------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+@_compiled
+@dataclass(slots=True)
 class Stats(Request):
     op: ClassVar[str] = "stats"
 
 
-@dataclass(frozen=True, slots=True)
+@_compiled
+@dataclass(slots=True)
 class Status(Request):
     op: ClassVar[str] = "status"
 
 
-@dataclass(frozen=True, slots=True)
+@_compiled
+@dataclass(slots=True)
 class Ping(Request):
     op: ClassVar[str] = "ping"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Batch(Request):
     """Many calls in one round trip, answered together with one reply per call. A call that did
     not decode is kept, in its place, as the error it is answered with."""
@@ -285,8 +337,6 @@ SENDER_OPS: Mapping[str, type[Request]] = _ops(Submit, SenderPoll, SenderWait, S
 BATCHABLE: frozenset[str] = frozenset(RECEIVER_OPS) | frozenset(SENDER_OPS)
 """Every op but ``batch`` may be a call of a batch (batches do not nest)."""
 
-_TOP = frozenset({"id", "v", "op"})
-_CALL = frozenset({"v", "op"})
 
 
 def _version_of(d: Mapping[Any, Any]) -> str:
@@ -316,16 +366,18 @@ def parse_request(obj: Any, served: Mapping[str, type[Request]]) -> Request:
     """
     if not isinstance(obj, dict):
         raise DecodeError("malformed request: request must be a map with a string 'op'")
-    _check_version(obj)
+    v = obj.get("v", _UNVERSIONED)
+    if type(v) is not int or v != LOCAL_API_VERSION:
+        _check_version(obj)  # raises, with the message
     op = obj.get("op")
     if not isinstance(op, str):
         raise DecodeError("malformed request: request must be a map with a string 'op'")
-    if op == Batch.op:
-        return _parse_batch(obj, served)
     cls = served.get(op)
-    if cls is None:
-        raise _unknown_op(op, served)
-    return cls.from_wire(obj, _TOP)
+    if cls is not None:
+        return cls._decode(obj, _TOP)  # type: ignore[no-any-return]
+    if op == "batch":
+        return _parse_batch(obj, served)
+    raise _unknown_op(op, served)
 
 
 def _parse_batch(obj: dict[Any, Any], served: Mapping[str, type[Request]]) -> Batch:
@@ -387,14 +439,14 @@ def decode_request(body: bytes, served: Mapping[str, type[Request]]) -> tuple[An
 
 # -- replies ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Ok:
     """A request's result: a room status, or a map (stats, status, ping), as its handler made it."""
 
     result: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Refusal:
     """A request that failed: the error's stable ``code`` and its message."""
 
@@ -410,7 +462,7 @@ class Refusal:
         return error_from_code(self.code, self.message)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchReply:
     """The answer to a batch: one reply per call, in order."""
 
@@ -433,8 +485,14 @@ def reply_body(reply: Reply) -> dict[str, Any]:
     return {"ok": True, "result": [reply_body(r) for r in reply.replies]}
 
 
-def encode_reply(rid: Any, reply: Reply) -> bytes:
-    return _pack({"id": rid, "v": LOCAL_API_VERSION, **reply_body(reply)})
+def encode_reply(rid: Any, reply: Reply, pack: Callable[[Any], bytes] | None = None) -> bytes:
+    """A reply frame; ``pack`` is a :func:`packer`'s (one thread's), or None for a fresh one."""
+    pack = pack or _pack
+    if type(reply) is Ok:  # the common case, without the intermediate map
+        result = reply.result
+        return pack({"id": rid, "v": LOCAL_API_VERSION, "ok": True,
+                     "result": result.to_wire() if isinstance(result, RoomStatus) else result})
+    return pack({"id": rid, "v": LOCAL_API_VERSION, **reply_body(reply)})
 
 
 def decode_reply(body: bytes) -> tuple[Any, Ok | Refusal]:
@@ -450,7 +508,10 @@ def decode_reply(body: bytes) -> tuple[Any, Ok | Refusal]:
         raise DecodeError(f"malformed engine API reply: {type(obj).__name__}, not a map")
     rid = obj.get("id")
     v = obj.get("v", _UNVERSIONED)
-    if obj.get("ok") is False and obj.get("code") == VersionMismatch.code:
+    ok = obj.get("ok")
+    if ok is True and type(v) is int and v == LOCAL_API_VERSION:  # the common case first
+        return rid, Ok(obj.get("result"))
+    if ok is False and obj.get("code") == VersionMismatch.code:
         return rid, _outcome(obj)  # a version refusal reads the same in every version
     if type(v) is not int or v != LOCAL_API_VERSION:
         return rid, Refusal(VersionMismatch.code, f"engine API version {_version_of(obj)} from the daemon; "
@@ -495,6 +556,12 @@ def builds(cls: type[R], items: Sequence[R | Mapping[str, Any]]) -> list[R | Tra
         except TransferdError as exc:
             out.append(exc)
     return out
+
+
+def packer() -> Callable[[Any], bytes]:
+    """A msgpack packer of this wire's options, to keep and reuse from ONE thread (``msgpack.packb``
+    builds a new Packer, and its buffer, on every call)."""
+    return msgpack.Packer(use_bin_type=True).pack
 
 
 def _pack(obj: Any) -> bytes:

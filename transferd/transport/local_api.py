@@ -26,7 +26,9 @@ from ..protocol.engine_api import (
     UnknownOp,
     decode_request,
     encode_reply,
+    packer,
 )
+from ..protocol.room import RoomStatus
 from .loop_socket import LoopSocket, configure, ipc_path, prepare_ipc, restrict_ipc
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class LocalApiServer:
         """Engine requests refused, by ``engine_<code>`` (shared with the agent's accounting)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self.link: LoopSocket | None = None
+        self._pack = packer()  # replies are encoded on the loop's thread only
 
     async def run(self) -> None:
         """Serve until cancelled (requests are handled as they arrive, on the loop)."""
@@ -105,7 +108,7 @@ class LocalApiServer:
         t.add_done_callback(self._tasks.discard)
 
     def _run(self, req: Request) -> Reply | Awaitable[Reply]:
-        if isinstance(req, Batch):
+        if type(req) is Batch:
             return self._batch(req)
         return self._dispatch(req)
 
@@ -120,6 +123,8 @@ class LocalApiServer:
             result = self.handlers[type(req)](req)
         except Exception as exc:
             return self._error(req.op, exc)
+        if type(result) is RoomStatus or type(result) is dict:  # the common results, without the ABC checks
+            return Ok(result)
         if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
             return self._settle(req.op, result)
         return Ok(result)
@@ -158,10 +163,10 @@ class LocalApiServer:
 
     def _answer(self, ident: bytes, rid: Any, reply: Reply) -> None:
         try:
-            body = encode_reply(rid, reply)
+            body = encode_reply(rid, reply, self._pack)
         except Exception as exc:  # a handler's result msgpack cannot carry: a bug, not a crash
             log.error("%s: engine reply could not be encoded", self.name, exc_info=exc)
-            body = encode_reply(rid, Refusal("internal", f"internal error: reply not encodable: {exc}"))
+            body = encode_reply(rid, Refusal("internal", f"internal error: reply not encodable: {exc}"), self._pack)
         self._reply(ident, body)
 
     def _reply(self, ident: bytes, body: bytes) -> None:
