@@ -1495,3 +1495,53 @@ def test_a_flood_of_silent_stream_connections_does_not_keep_a_sender_out(guard: 
     finally:
         for s in silent:
             s.close()
+
+
+@pytest.mark.parametrize("how", ["truncate", "unlink", "replace"])
+def test_a_peer_that_shrinks_unlinks_or_replaces_its_pool_fails_its_rooms_only(guard: Env, how: str) -> None:
+    """The receiver reads a same-host peer's rows from the pool's file (preadv), never from a
+    mapping of it: a file the peer truncates after registration cannot SIGBUS the receiver. The
+    peer's rooms fail with a reason naming what happened; the daemon and another group go on."""
+    import os
+
+    from transferd.pool.shm import pool_path
+
+    env = guard
+    fake, group, spool = _shm_fake(env)
+    path = pool_path(spool.name)
+    if how == "truncate":
+        os.truncate(path, 4096)  # past the header: every row is gone (this process never touches spool again)
+    elif how == "unlink":
+        os.unlink(path)
+    else:
+        os.unlink(path)
+        path.write_bytes(b"\0" * 8192)
+    r = open_room(env, fake, group)
+    before = env.refused()
+    _data_ref(fake, r.tok, KV, _kv0(r), 0, 1, 0)
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "no_shm", st
+    word = {"truncate": "shrank to 4096 bytes", "unlink": "was unlinked", "replace": "was replaced"}[how]
+    assert word in st.reason and spool.name in st.reason, st.reason
+    assert env.refused()["no_shm"] == before["no_shm"] + 1
+    r.check_pool()  # nothing written
+    env.dc.release(r.room, group)
+    # the receiver is alive and another same-host group completes a room byte-exact
+    fake2, group2, spool2 = _shm_fake(env)
+    r2 = open_room(env, fake2, group2)
+    L = r2.layout
+    n = len(r2.dst)
+    for b in L.indices("kv"):
+        _data_ref(fake2, r2.tok, KV, b, 0, n, 1)
+        r2.want[b][r2.dst] = spool2.rows[b][1:1 + n]
+    for b in L.indices("state"):
+        _data_ref(fake2, r2.tok, STATE, b, 0, 1, 2)
+        r2.want[b][r2.slots[L.buffers[b].component][0]] = spool2.rows[b][2]
+    a = L.aux_index
+    spool2.rows[a][4, :8] = np.frombuffer(np.uint64(r2.room).astype("<u8").tobytes(), np.uint8)
+    _data_ref(fake2, r2.tok, AUX, a, 0, 1, 4)
+    r2.want[a][r2.aux] = spool2.rows[a][4]
+    r2.done()
+    assert r2.wait().state is RoomState.SUCCESS
+    r2.check_pool()
+    env.dc.release(r2.room, group2)

@@ -6,21 +6,28 @@ Sender side (:class:`SameHostSender`): per buffer, data-refs messages of up to
 positions, scattered source rows or not; their row lists are the only payload. ``done`` takes the
 ZeroMQ socket like the ZeroMQ plane's.
 
-Receiver side (:class:`SameHostReceiver`): the sender's pool, mapped at registration; the rows a
-data-ref or data-refs message names are checked against it, then copied straight out of it.
+Receiver side (:class:`SameHostReceiver`): the sender's pool file, opened at registration; the
+rows a data-ref or data-refs message names are checked against its layout, then read with
+``preadv`` from the file straight into the destination rows: one copy, as from a mapping, but a
+file the peer shrinks after registration makes the read come back short instead of raising
+SIGBUS in the receiver (a mapping of a truncated file faults on the first touch past its end). The
+receiver never maps a peer's pool: what a peer does to its own file can fail its rooms, never the
+daemon or the other groups (docs/FAULTS.md).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
 from ...errors import FailureCode
 from ...pool import Pool
-from ...pool.rows import copy_rows
+from ...pool.shm import pool_path
 from ...protocol.messages import DataRef, DataRefs, encode
 from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
+from ...protocol.room import runs
 from ...types import KIND_LABELS, Kind, PlaneName
 from .sending import RoomTx
 from .zmq import ZmqSender
@@ -60,17 +67,49 @@ class SameHostSender(ZmqSender):
 
 
 class SameHostReceiver:
-    """Rows named in the sender's own pool (data-ref, data-refs), copied straight out of its
-    mapping here: one copy."""
+    """Rows named in the sender's own pool (data-ref, data-refs), read out of its file straight
+    into the destination rows with ``preadv``: one copy, and nothing a peer can revoke is mapped."""
 
     name = PlaneName.SAME_HOST
 
     def __init__(self, pool: Pool) -> None:
-        self.pool = pool
+        # the pool was attached to check its id and layout; from here on only its file is read
+        self.pool_name = pool.name
+        self.path = pool_path(pool.name)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
+        self.ino = (st.st_dev, st.st_ino)
+        self.offsets = list(pool.offsets)
+        self.row_bytes = [b.row_bytes for b in pool.layout.buffers]
+        self.rows = [b.rows for b in pool.layout.buffers]
+        self.end = max((o + b.nbytes for o, b in zip(pool.offsets, pool.layout.buffers)), default=0)
+        self.broken = ""  # why the file can no longer be read (a short read seen): every later message is refused
+        pool.close()
+
+    def _unusable(self) -> str:
+        """Why the peer's pool file cannot be read from any more ("" if it can)."""
+        if self.broken:
+            return self.broken
+        try:
+            st = os.fstat(self.fd)
+        except OSError as exc:
+            return f"the sender's pool {self.pool_name!r} cannot be read: {exc.strerror}"
+        if st.st_size < self.end:
+            return (f"the sender's pool {self.pool_name!r} shrank to {st.st_size} bytes after registration "
+                    f"(its layout needs {self.end})")
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return f"the sender's pool {self.pool_name!r} was unlinked after registration"
+        if (now.st_dev, now.st_ino) != self.ino:
+            return f"the sender's pool {self.pool_name!r} was replaced by another file after registration"
+        if st.st_nlink == 0:
+            return f"the sender's pool {self.pool_name!r} was unlinked after registration"
+        return ""
 
     def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, payload: Any,
                now: float) -> np.ndarray | None:
-        n_src = self.pool.rows[msg.buffer].shape[0]
+        n_src = self.rows[msg.buffer]
         if isinstance(msg, DataRefs):
             if len(payload) != msg.count * 8:
                 core.reject(room, peer, FailureCode.LENGTH_MISMATCH, f"data-refs list of {len(payload)} bytes for "
@@ -86,16 +125,33 @@ class SameHostReceiver:
                                                                     f"{msg.buffer} outside the sender's {n_src} rows",
                         now)
             return None
+        why = self._unusable()
+        if why:
+            core.reject(room, peer, FailureCode.NO_SHM, why, now)
+            return None
         return src_rows
 
     def first_row(self, msg: DataRef | DataRefs, src: np.ndarray) -> Any:
-        return self.pool.rows[msg.buffer][int(src[0])].data
+        n = self.row_bytes[msg.buffer]
+        data = os.pread(self.fd, n, self.offsets[msg.buffer] + int(src[0]) * n)
+        if len(data) != n:
+            self.broken = f"the sender's pool {self.pool_name!r} shrank under a read (got {len(data)} of {n} bytes)"
+            return b"\0" * n  # the aux guard then fails this room; the next message sees `broken`
+        return data
 
     def write(self, msg: DataRef | DataRefs, dst: np.ndarray, first: int, rows: np.ndarray | None,
               src: np.ndarray) -> bool:
         dst_rows = np.arange(first, first + msg.count) if rows is None else rows
-        copy_rows(dst, dst_rows, self.pool.rows[msg.buffer], src)
+        rb, base = self.row_bytes[msg.buffer], self.offsets[msg.buffer]
+        for a, b in runs(src, dst_rows):
+            d, s = int(dst_rows[a]), int(src[a])
+            want = (b - a) * rb
+            got = os.preadv(self.fd, [dst[d:d + b - a].data], base + s * rb)
+            if got != want:  # the file shrank between the check and the read: these rows never land
+                self.broken = (f"the sender's pool {self.pool_name!r} shrank under a read (got {got} of {want} "
+                               f"bytes)")
+                return False
         return True
 
     def close(self) -> None:
-        self.pool.close()
+        os.close(self.fd)
