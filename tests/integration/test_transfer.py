@@ -17,6 +17,7 @@ def _sum_bytes(pcs, kind: str) -> int:
     return sum(pc.stats()["bytes"][kind] for pc in pcs)
 
 
+@pytest.mark.planes
 def test_chunked_room_with_prefix_and_empty_last_chunk(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver()
     pcs, spools = cluster.group("prefill0", 2, [ep])
@@ -53,6 +54,9 @@ def test_chunked_room_with_prefix_and_empty_last_chunk(cluster: Cluster) -> None
     # pages 0..5 belong to rank 0, 6..11 to rank 1: rank 0 sends only position 5
     assert pcs[0].stats()["bytes"]["kv"] == 1 * layout.kv_page_bytes()
     assert dc.stats()["bytes"] == {"kv": 7 * layout.kv_page_bytes(), "state": copy, "aux": layout.aux_row_bytes}
+    cluster.check_plane(dc.stats())
+    for pc in pcs:
+        cluster.check_plane(pc.stats())
     dc.release(r.room, r.group)
 
 

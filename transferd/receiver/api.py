@@ -33,6 +33,10 @@ class ReceiverApi(Protocol):
 
     def abort(self, group: str, room: int, reason: str, /) -> RoomStatus: ...
 
+    def room_tok(self, group: str, room: int, /) -> int: ...
+
+    def after_reads(self, tok: int, status: RoomStatus, /) -> RoomStatus | Awaitable[RoomStatus]: ...
+
     def release(self, group: str, room: int, /) -> RoomStatus: ...
 
     def stats(self) -> dict[str, Any]: ...
@@ -55,11 +59,13 @@ def handlers(agent: ReceiverApi) -> dict[type[Request], Handler]:
     def wait(r: ReceiverWait) -> Awaitable[RoomStatus]:  # the coroutine itself: the server awaits it
         return agent.wait(r.group, r.room, r.timeout_s)
 
-    def abort(r: ReceiverAbort) -> RoomStatus:
-        return agent.abort(r.group, r.room, r.reason)
+    def abort(r: ReceiverAbort) -> RoomStatus | Awaitable[RoomStatus]:  # answered once its reads settled
+        tok = agent.room_tok(r.group, r.room)
+        return agent.after_reads(tok, agent.abort(r.group, r.room, r.reason))
 
-    def release(r: Release) -> RoomStatus:
-        return agent.release(r.group, r.room)
+    def release(r: Release) -> RoomStatus | Awaitable[RoomStatus]:
+        tok = agent.room_tok(r.group, r.room)
+        return agent.after_reads(tok, agent.release(r.group, r.room))
 
     def stats(r: Stats) -> dict[str, Any]:
         return agent.stats()
