@@ -288,10 +288,10 @@ class ReceiverCore:
             return None
         if msg.te_session and self.s.mooncake:  # the Mooncake plane: the same-host pool is not needed
             return Admission(ident, msg, split, checksum, "", te=True)
-        if self.s.mooncake or msg.te_session:
-            side = "receiver" if self.s.mooncake else f"{msg.group} rank {msg.rank}"
-            self.actions.append(Note("warning", f"{side} set data_plane = \"mooncake\" but {msg.group} rank "
-                                                f"{msg.rank} and this receiver do not both: today's data plane"))
+        if msg.te_session:  # a receiver that reads with Mooncake TE also serves senders that do not
+            self.actions.append(Note("warning", f"{msg.group} rank {msg.rank} offers Mooncake TE reads but this "
+                                                "receiver has no engine (receiver.data_plane is not \"mooncake\"): "
+                                                "today's data plane"))
         candidate = ""
         if msg.pool and self.s.same_host and msg.boot_id and msg.boot_id == self.s.boot_id:
             candidate = msg.pool

@@ -309,9 +309,9 @@ class Receiver(AgentBase):
             self.planes[id(peer)] = (peer, SameHostReceiver(pool))
         elif te:
             assert self.reader is not None
-            lay = self.layout.buffers
+            theirs = PoolLayout.from_wire(msg.layout).buffers  # it parsed in the core's checks; rows may differ
             self.planes[id(peer)] = (peer, MooncakeReceiver(self.reader, self.data, msg.te_session, msg.te_addrs,
-                                                            [b.row_bytes for b in lay], [b.rows for b in lay],
+                                                            [b.row_bytes for b in theirs], [b.rows for b in theirs],
                                                             peer.label))
 
     def _same_host_pool(self, name: str, msg: Register) -> Pool | None:
