@@ -35,6 +35,7 @@ def _ok_room(cluster, dc, dpool, pcs, spools, room_id, group, cp, **kw) -> None:
     dc.release(r.room, group)
 
 
+@pytest.mark.planes
 def test_killed_sender_fails_exactly_its_groups_rooms_within_the_deadline(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(kv_pages=512, **FAST)
     pa, pools_a = cluster.group("pa", 2, [ep], **FAST)
@@ -66,6 +67,7 @@ def test_killed_sender_fails_exactly_its_groups_rooms_within_the_deadline(cluste
     _ok_room(cluster, dc, dpool, pa, pools_a, 3, "pa", 2, dst_start=200, slot=8)
 
 
+@pytest.mark.planes
 def test_restarted_sender_is_a_new_incarnation_and_old_rooms_fail(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(**FAST)
     pcs, spools = cluster.group("prefill0", 2, [ep], heartbeat_interval_s=30.0)
@@ -85,6 +87,7 @@ def test_restarted_sender_is_a_new_incarnation_and_old_rooms_fail(cluster: Clust
     _ok_room(cluster, dc, dpool, pcs, spools, 10, "prefill0", 2)
 
 
+@pytest.mark.planes
 def test_dead_receiver_fails_its_rooms_and_the_group_keeps_serving_the_other(cluster: Cluster) -> None:
     ep1, dc1, pool1 = cluster.receiver("decode1", **FAST)
     ep2, dc2, pool2 = cluster.receiver("decode2", **FAST)
@@ -103,6 +106,7 @@ def test_dead_receiver_fails_its_rooms_and_the_group_keeps_serving_the_other(clu
     _ok_room(cluster, dc2, pool2, pcs, spools, 22, "prefill0", 2, slot=3)
 
 
+@pytest.mark.planes
 def test_restarted_receiver_is_registered_with_again_automatically(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(**FAST)
     pcs, spools = cluster.group("prefill0", 2, [ep], **FAST)
