@@ -218,12 +218,26 @@ def test_checksum_turns_corruption_into_a_failed_room(cluster: Cluster) -> None:
     ("drop-frames:0.05", "incomplete"), ("corrupt-frames:0.05", "checksum"), ("slow-receiver:1", None),
 ])
 def test_demo_fault_harness(tmp_path: Path, spec: str, reason: str | None) -> None:
+    _demo_fault(tmp_path, spec, reason)
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("kill-sender:1", "peer_lost"), ("restart-receiver", "receiver_restarted"), ("drop-frames:0.05", "incomplete"),
+])
+def test_demo_fault_harness_over_mooncake(tmp_path: Path, plane_mooncake: str, spec: str, reason: str) -> None:
+    """The same faults with every row read by Mooncake TE (cp 2: the dropped data-refs, the
+    killed sender's reads and the restarted receiver's engine)."""
+    s = _demo_fault(tmp_path, spec, reason, "--data-plane", "mooncake", "--cp-size", "2")
+    assert s["bytes_by_path"]["mooncake"] == sum(s["wire_bytes"].values()) > 0, s["bytes_by_path"]
+
+
+def _demo_fault(tmp_path: Path, spec: str, reason: str | None, *extra: str) -> dict:
     out = tmp_path / "s.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--rooms", "16", "--in-flight", "4",
-                           "--fault", spec, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+                           "--fault", spec, "--json", str(out), *extra], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads(out.read_text())
     assert s["faults"] == [spec] and s["corrupted_rooms"] == 0 and s["mismatched_bytes"] == 0
@@ -234,3 +248,4 @@ def test_demo_fault_harness(tmp_path: Path, spec: str, reason: str | None) -> No
         assert s["rooms_failed"] > 0 and set(s["rooms_failed_by_reason"]) == {reason}, s["rooms_failed_by_reason"]
     if spec.split(":")[0] in ("kill-sender", "restart-receiver", "pause-sender"):
         assert s["rooms_after_fault"] > 0  # rooms ran after the fault, and all succeeded
+    return s
