@@ -269,6 +269,9 @@ def _peers(f: Figures, b: Bench) -> dict[str, Any]:
             "twice_mooncake_vs_raw_tcp_by_size": {key: rnd(2 * r, 3) if (r := f.paired(f"mooncake/{key}",
                                                                                        f"raw_tcp/{key}")) else None
                                                   for key in SIZES},
+            "mooncake_tcp_cpu_s_per_gb_by_size": {
+                key: {side: rnd(f.med(f"mooncake/{key}", f"{side}_cpu_s_per_gb"), 3) for side in ("initiator", "target")}
+                for key in SIZES},
             "mooncake_tcp_mismatched_bytes": mooncake.mismatched}
 
 

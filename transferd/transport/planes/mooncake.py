@@ -60,7 +60,7 @@ class MooncakeEngine:
     registered with it."""
 
     def __init__(self, hostname: str, protocol: str, device: str) -> None:
-        os.environ.setdefault("GLOG_minloglevel", "1")  # the engine's info lines: one per peer and batch
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines: several per peer; set it to see them
         try:
             engine_mod: Any = importlib.import_module("mooncake.engine")
         except ImportError as exc:
