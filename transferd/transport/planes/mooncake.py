@@ -13,7 +13,8 @@ naming the source rows of each run, then ``done`` on its ZeroMQ socket — and t
   row is read into a registered staging row first; its room guard is checked there and it goes
   the ZeroMQ payload's way (``DataPath.data``) from there.
 * **Bounded.** All reads go through one :class:`Reader` per receiver: batches of at most
-  ``receiver.mooncake_batch_entries`` (runs consecutive on both sides are one entry) and at most
+  ``receiver.mooncake_batch_entries`` (runs consecutive on both sides are one entry; queued
+  reads of one sender share a batch up to that many) and at most
   ``receiver.mooncake_reads_in_flight`` batches at once, so the engine's queue never holds more
   than 2,048 entries (its TCP transport rejects a whole batch once its queue is full).
 * **Abort is a barrier.** A batch waiting in the queue is dropped once its room is terminal (no
@@ -203,39 +204,65 @@ class Reader:
     def _pump(self) -> None:
         loop = asyncio.get_running_loop()
         while self.running < self.in_flight and self.queue:
+            batch = self._take()
+            if not batch:
+                return  # a staging row comes back when a running aux read finishes
+            local: list[int] = []
+            remote: list[int] = []
+            lens: list[int] = []
+            for job, _ in batch:
+                local += job.local
+                remote += job.remote
+                lens += job.lens
+            self.running += 1
+            fut = self.executor.submit(self.engine.read, batch[0][0].session, local, remote, lens)
+            fut.add_done_callback(partial(_back_on_loop, loop, self._finished, batch))
+
+    def _take(self) -> list[tuple[_Job, int]]:
+        """The next engine batch: queued jobs of one session, in order, as many as fit in
+        ``batch_entries`` (small rooms' runs share a batch); a job of a room that ended is
+        dropped unread on the way (the barrier); an aux job takes a staging row."""
+        batch: list[tuple[_Job, int]] = []
+        entries = 0
+        while self.queue:
             job = self.queue[0]
             if not job.alive():  # the barrier: no new read for a room that ended
                 self.queue.popleft()
                 job.done(None, -1)
                 self._settle(job.tok)
                 continue
+            if batch and (job.session != batch[0][0].session or entries + len(job.lens) > self.batch_entries):
+                break
             row = -1
             if job.staging:
                 if not self.free_rows:
-                    return  # a staging row comes back when a running aux read finishes
+                    break
                 row = self.free_rows.pop()
                 job.local = [int(self.staging[row].ctypes.data)]
             self.queue.popleft()
-            self.running += 1
-            fut = self.executor.submit(self.engine.read, job.session, job.local, job.remote, job.lens)
-            fut.add_done_callback(partial(_back_on_loop, loop, self._finished, job, row))
+            batch.append((job, row))
+            entries += len(job.lens)
+        return batch
 
-    def _finished(self, job: _Job, row: int, fut: Future[int]) -> None:
+    def _finished(self, batch: list[tuple[_Job, int]], fut: Future[int]) -> None:
         self.running -= 1
         self.reads += 1
         try:
             rc = fut.result()
         except Exception as exc:  # the binding raised: report it as the engine's failure
-            log.error("Mooncake read from %s raised %r", job.session, exc)
+            log.error("Mooncake read from %s raised %r", batch[0][0].session, exc)
             rc = -1
         if rc != 0:
             self.failed += 1
         try:
-            job.done(rc, row)
+            for job, row in batch:  # one engine batch: one outcome for every job in it
+                try:
+                    job.done(rc, row)
+                finally:
+                    if row >= 0:
+                        self.free_rows.append(row)
+                    self._settle(job.tok)
         finally:
-            if row >= 0:
-                self.free_rows.append(row)
-            self._settle(job.tok)
             self._pump()
 
     def _settle(self, tok: int) -> None:
@@ -266,9 +293,9 @@ def _settle_future(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def _back_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[_Job, int, Future[int]], None], job: _Job, row: int,
-                  fut: Future[int]) -> None:
-    loop.call_soon_threadsafe(fn, job, row, fut)
+def _back_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[list[tuple[_Job, int]], Future[int]], None],
+                  batch: list[tuple[_Job, int]], fut: Future[int]) -> None:
+    loop.call_soon_threadsafe(fn, batch, fut)
 
 
 def _live(room: DecodeRoom) -> bool:
