@@ -349,15 +349,21 @@ class Receiver(AgentBase):
     def poll(self, group: str, room_id: int) -> RoomStatus:
         return self.core.room(group, room_id).status
 
-    def abort(self, group: str, room_id: int, reason: str = "") -> RoomStatus:
+    def abort(self, group: str, room_id: int, reason: str = "") -> RoomStatus | Awaitable[RoomStatus]:
+        """The room's status; while engine reads of it are in flight, an awaitable of it that
+        resolves once they settled (abort is a barrier: after the answer, nothing of the room
+        is written)."""
+        tok = self.room_tok(group, room_id)
         try:
-            return self.core.abort(group, room_id, reason, time.monotonic())
+            return self.after_reads(tok, self.core.abort(group, room_id, reason, time.monotonic()))
         finally:
             self.act()
 
-    def release(self, group: str, room_id: int) -> RoomStatus:
+    def release(self, group: str, room_id: int) -> RoomStatus | Awaitable[RoomStatus]:
+        """As :meth:`abort`: the answer comes once the room's engine reads settled."""
+        tok = self.room_tok(group, room_id)
         try:
-            return self.core.release(group, room_id, time.monotonic())
+            return self.after_reads(tok, self.core.release(group, room_id, time.monotonic()))
         finally:
             self.act()
 
@@ -380,6 +386,8 @@ class Receiver(AgentBase):
                     left.remove(fut)
                     if not left:
                         del self._waiters[room.tok]
+        elif self.reader is not None and self.reader.busy(room.tok):
+            await self.reader.settled(room.tok)  # it ended with engine reads in flight: after them
         return room.status
 
     def ping_info(self) -> dict[str, Any]:
