@@ -18,14 +18,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "plane" in metafunc.fixturenames:
-        planes = ["auto", "mooncake"] if metafunc.definition.get_closest_marker("planes") else ["auto"]
-        metafunc.parametrize("plane", planes)
+    if "plane" in metafunc.fixturenames and metafunc.definition.get_closest_marker("planes"):
+        metafunc.parametrize("plane", ["auto", "mooncake"])  # unmarked tests keep their ids: plane "auto"
 
 
 @pytest.fixture
 def plane(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
+    name: str = getattr(request, "param", "auto")
     if name == "mooncake":  # CI installs the mooncake extra: its absence is a failure there
         return request.getfixturevalue("plane_mooncake")
     return name
