@@ -14,25 +14,35 @@
 # uid 10001): mount the host's directory there, and run the engine as uid 10001 too.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# extras to install, e.g. --build-arg EXTRAS=mooncake for data_plane = "mooncake"
+# (deploy/compose/docker-compose.mooncake-rdma.yml builds transferd:0.1.0-mooncake that way)
+ARG EXTRAS=""
 
 FROM ${PYTHON_IMAGE} AS build
+ARG EXTRAS
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY transferd ./transferd
-# transferd's wheel and the wheels of all its dependencies
-RUN pip wheel --wheel-dir /wheels .
+# transferd's wheel and the wheels of all its dependencies (and of the extras asked for)
+RUN pip wheel --wheel-dir /wheels ".${EXTRAS:+[$EXTRAS]}"
 
 # the wheels installed, offline, into a venv that the runtime stage copies (no wheel left behind)
 FROM ${PYTHON_IMAGE} AS install
+ARG EXTRAS
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 COPY --from=build /wheels /wheels
 RUN python -m venv /opt/transferd \
-    && /opt/transferd/bin/pip install --no-index --find-links /wheels transferd
+    && /opt/transferd/bin/pip install --no-index --find-links /wheels "transferd${EXTRAS:+[$EXTRAS]}"
 
 FROM ${PYTHON_IMAGE}
+ARG EXTRAS
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/transferd/bin:$PATH
 COPY --from=install /opt/transferd /opt/transferd
+# Mooncake Transfer Engine's wheel links libibverbs (and RDMA NICs need their provider: rdma-core)
+RUN case ",${EXTRAS}," in *,mooncake,*) apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 ibverbs-providers \
+        && rm -rf /var/lib/apt/lists/* ;; esac
 RUN groupadd --system --gid 10001 transferd \
     && useradd --system --uid 10001 --gid transferd --home-dir /var/lib/transferd --create-home \
        --shell /usr/sbin/nologin transferd \

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-' for stdout)")
     p.add_argument("--same-host", choices=["auto", "off"],
                    help="auto: the receiver reads the senders' pools directly (one copy); off: all data over ZeroMQ")
+    p.add_argument("--data-plane", choices=["auto", "mooncake"],
+                   help="mooncake: every daemon moves the rows with Mooncake Transfer Engine (TCP on this host); "
+                        "auto: today's choice (same-host, data stream, ZeroMQ)")
     p.add_argument("--fault", action="append", metavar="SPEC",
                    help="inject a fault while rooms run (repeatable): kill-sender:R, restart-receiver, "
                         "pause-sender:R, drop-frames:P, corrupt-frames:P, slow-receiver:MS")
@@ -138,7 +141,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str | None]:
         cfg = cfg.with_overrides("sender", cp_rank=args.cp_rank,
                                  receivers=tuple(args.receiver) if args.receiver else None)
     if args.cmd == "demo":
-        cfg = cfg.with_overrides("sender", same_host=args.same_host)
+        cfg = cfg.with_overrides("sender", same_host=args.same_host, data_plane=args.data_plane)
+        cfg = cfg.with_overrides("receiver", data_plane=args.data_plane)
         cfg = cfg.with_overrides("demo", rooms=args.rooms, chunks=args.chunks, pages_per_room=args.pages,
                                  in_flight=args.in_flight, seed=args.seed)
     return cfg, path

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import ConfigError, LayoutError
 from .layout import ModelSpec, PoolLayout, StateComponent
-from .types import CHECKSUMS, NAME_RE, AutoOff, SplitMode, ZeroCopy
+from .types import CHECKSUMS, NAME_RE, AutoOff, DataPlane, SplitMode, ZeroCopy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,6 +68,12 @@ class ReceiverConfig:
     same_host: AutoOff = AutoOff.AUTO  # read same-host senders' pools directly ("auto") or never ("off")
     data_stream: AutoOff = AutoOff.AUTO  # offer senders a plain TCP data stream ("auto": tcp:// bind, no CURVE) or not ("off")
     stream_port: int = 0  # the data stream's TCP port on the bind address (0 = any free port)
+    data_plane: DataPlane = DataPlane.AUTO  # "mooncake": read the rows of senders that offer it with Mooncake TE
+    mooncake_protocol: str = "tcp"  # Mooncake TE transport: "tcp" (tested here) or "rdma" (RDMA NICs)
+    mooncake_device: str = ""  # RDMA device names, comma-separated ("" = Mooncake picks every device)
+    mooncake_hostname: str = ""  # the address peers reach this engine at ("" = the bind address's host)
+    mooncake_batch_entries: int = 512  # reads per engine batch (Mooncake's TCP queue rejects ~4096 at once)
+    mooncake_reads_in_flight: int = 2  # engine batches running at once (entries × batches stays <= 2048)
     max_frame_bytes: int = 64 << 20
     send_hwm: int = 100_000
     recv_hwm: int = 32
@@ -103,6 +109,10 @@ class SenderConfig:
     shm_message_bytes: int = 16 << 20  # rows per data-refs message on the same-host path
     zero_copy: ZeroCopy = ZeroCopy.DIRECT  # "direct": rows handed to libzmq with no reference kept; "pyzmq": pyzmq frames
     data_stream: AutoOff = AutoOff.AUTO  # send data on the receiver's data stream when it offers one ("auto") or never ("off")
+    data_plane: DataPlane = DataPlane.AUTO  # "mooncake": offer the pool to receivers' Mooncake TE reads
+    mooncake_protocol: str = "tcp"  # Mooncake TE transport: "tcp" (tested here) or "rdma" (RDMA NICs)
+    mooncake_device: str = ""  # RDMA device names, comma-separated ("" = Mooncake picks every device)
+    mooncake_hostname: str = ""  # the address receivers reach this engine at ("" = the route to the first receiver)
     dedup: bool = True  # pages split: only rank 0 sends the replicated state; false: every rank does (the group agrees)
     drain_timeout_s: float = 30.0
     metrics_bind: str = "127.0.0.1:9470"  # Prometheus endpoint; the CP rank is added to the port
@@ -243,6 +253,7 @@ class Config:
         if r.max_frame_bytes < s.max_message_bytes:
             raise ConfigError(f"receiver.max_frame_bytes ({r.max_frame_bytes}) is below "
                               f"sender.max_message_bytes ({s.max_message_bytes})")
+        _check_mooncake(self)
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
         g = self.sglang
@@ -258,6 +269,44 @@ class Config:
         _at_least(0, True, g.poll_interval_s, "sglang.poll_interval_s", g.client_timeout_s, "sglang.client_timeout_s")
         self.receiver_layout()
         self.sender_layout()
+
+
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+MOONCAKE_MAX_ENTRIES = 2048  # entries in flight at once that Mooncake's TCP transport takes without rejecting
+_DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$")
+_HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)$")
+
+
+def _check_mooncake(cfg: Config) -> None:
+    """The Mooncake Transfer Engine settings of both sections (docs/CONFIG.md)."""
+    import importlib.util
+
+    r, s = cfg.receiver, cfg.sender
+    for side, c in (("receiver", r), ("sender", s)):
+        if c.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise ConfigError(f"{side}.mooncake_protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}, "
+                              f"not {c.mooncake_protocol!r}")
+        if c.mooncake_device and not _DEVICES_RE.match(c.mooncake_device):
+            raise ConfigError(f"{side}.mooncake_device {c.mooncake_device!r} must be device names separated by "
+                              "commas (e.g. \"mlx5_0,mlx5_1\"), or empty for every device")
+        if c.mooncake_hostname and not _HOST_RE.match(c.mooncake_hostname):
+            raise ConfigError(f"{side}.mooncake_hostname {c.mooncake_hostname!r} must be a host name or address "
+                              "(no port: the engine picks its own)")
+        if c.data_plane is DataPlane.MOONCAKE:
+            if c.curve_secret_key:
+                raise ConfigError(f"{side}.data_plane = \"mooncake\" with {side}.curve_secret_key: Mooncake TE moves "
+                                  "the rows unencrypted; use one or the other")
+            if importlib.util.find_spec("mooncake") is None:
+                raise ConfigError(f"{side}.data_plane = \"mooncake\" needs Mooncake Transfer Engine: pip install "
+                                  "'transferd[mooncake]' (and Debian's libibverbs1)")
+    if not 1 <= r.mooncake_batch_entries <= MOONCAKE_MAX_ENTRIES:
+        raise ConfigError(f"receiver.mooncake_batch_entries must lie in [1, {MOONCAKE_MAX_ENTRIES}], "
+                          f"not {r.mooncake_batch_entries}")
+    if r.mooncake_reads_in_flight < 1 or r.mooncake_batch_entries * r.mooncake_reads_in_flight > MOONCAKE_MAX_ENTRIES:
+        raise ConfigError(f"receiver.mooncake_reads_in_flight ({r.mooncake_reads_in_flight}) × "
+                          f"receiver.mooncake_batch_entries ({r.mooncake_batch_entries}) must lie in "
+                          f"[1, {MOONCAKE_MAX_ENTRIES}]: Mooncake's TCP transport rejects a whole batch once its queue "
+                          "is full")
 
 
 def _at_least(lo: float, strict: bool, *pairs: Any) -> None:
@@ -292,7 +341,8 @@ def parse_hostport(value: str, what: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-_ENUMS: dict[str, type[Enum]] = {"SplitMode": SplitMode, "AutoOff": AutoOff, "ZeroCopy": ZeroCopy}
+_ENUMS: dict[str, type[Enum]] = {"SplitMode": SplitMode, "AutoOff": AutoOff, "ZeroCopy": ZeroCopy,
+                                  "DataPlane": DataPlane}
 """Settings whose values are one of an enum's (checked where the file is read)."""
 _SIZE_KEYS = {"max_message_bytes", "aux_row_bytes", "max_frame_bytes", "shm_message_bytes"}
 

@@ -150,6 +150,7 @@ class FailureCode(str, Enum):
     DUPLICATE = "duplicate"
     PREFILL_FAILED = "prefill_failed"
     SHUTDOWN = "shutdown"
+    TRANSPORT_ERROR = "transport_error"
     # the prefill side
     ASSIGN_TIMEOUT = "assign_timeout"
     BAD_ASSIGN = "bad_assign"

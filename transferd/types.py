@@ -56,6 +56,15 @@ class PlaneName(str, Enum):
     ZMQ = "zmq"  # payload frames on the ZeroMQ socket
     STREAM = "stream"  # records on a plain TCP data stream
     SAME_HOST = "same_host"  # the receiver copies the rows out of the sender's pool
+    MOONCAKE = "mooncake"  # the receiver reads the rows out of the sender's pool with Mooncake Transfer Engine
+
+
+class DataPlane(str, Enum):
+    """The value of the ``data_plane`` setting: today's choice (same-host, stream, ZeroMQ), or
+    Mooncake Transfer Engine when both sides set it (``transport/planes/mooncake.py``)."""
+
+    AUTO = "auto"
+    MOONCAKE = "mooncake"
 
 
 class AutoOff(str, Enum):

@@ -82,6 +82,17 @@ class Cluster:
     clients: list[Any] = field(default_factory=list)
     pools: list[Pool] = field(default_factory=list)
     killed: list[Proc] = field(default_factory=list)
+    plane: str = "auto"
+    """``data_plane`` of every daemon: "mooncake" runs the suite over Mooncake TE (conftest.py)."""
+
+    def check_plane(self, stats: dict[str, Any]) -> None:
+        """Over Mooncake, every byte a daemon moved went through Mooncake TE reads (``stats``)."""
+        if self.plane == "mooncake":
+            moved = sum(stats["bytes"].values())
+            assert stats["mooncake_bytes"] == moved, (stats["mooncake_bytes"], moved)
+
+    def _plane(self) -> dict[str, Any]:
+        return {"data_plane": self.plane} if self.plane != "auto" else {}
 
     def write_config(self, name: str, data: dict[str, Any]) -> Path:
         base: dict[str, Any] = {"run_dir": str(self.tmp / "run"), "log_level": "info", "model": MODEL}
@@ -103,7 +114,7 @@ class Cluster:
                  faults: dict[str, Any] | None = None, **extra: Any) -> tuple[str, DecodeClient, Pool]:
         data: dict[str, Any] = {"receiver": {"name": name, "bind": "tcp://127.0.0.1:*", "pool": f"{self.tag}-{name}",
                                              "kv_pages": kv_pages, "state_slots": 32, "aux_slots": 32,
-                                             "metrics_bind": "127.0.0.1:0", **extra}}
+                                             "metrics_bind": "127.0.0.1:0", **self._plane(), **extra}}
         if model:
             data["model"] = model
         if faults:
@@ -127,7 +138,7 @@ class Cluster:
                 "group": group, "cp_size": cp_size, "cp_rank": rank, "split": split, "receivers": receivers,
                 "pool": f"{self.tag}-{group}-r{{rank}}", "kv_pages": kv_pages, "state_slots": 32,
                 "aux_slots": 32, "same_host": "off", "metrics_bind": "127.0.0.1:0",
-                **extra}}  # data over the socket unless a test asks
+                **self._plane(), **extra}}  # data over the socket unless a test asks
             if model:
                 data["model"] = model
             if faults:

@@ -220,10 +220,10 @@ def test_default_file_names_only_real_settings() -> None:
 COMPOSE_ENV = {"DECODE_ADDR": "10.0.0.2", "CP_SIZE": "8", "KEYS_DIR": "/etc/transferd/keys"}
 
 
-def compose_config(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def compose_config(env: dict[str, str], cwd: Path, path: Path = COMPOSE) -> subprocess.CompletedProcess[str]:
     tool = need("docker-compose")
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL")}
-    return subprocess.run([tool, "-f", str(COMPOSE), "config"], cwd=cwd, env={**base, **env},
+    return subprocess.run([tool, "-f", str(path), "config"], cwd=cwd, env={**base, **env},
                           capture_output=True, text=True, timeout=60)
 
 
@@ -285,6 +285,42 @@ def test_compose_has_no_defaults_for_addresses_sizes_or_keys(missing: str, tmp_p
     assert proc.returncode != 0 and missing in proc.stderr, proc.stderr
 
 
+COMPOSE_MC = ROOT / "deploy" / "compose" / "docker-compose.mooncake-rdma.yml"
+COMPOSE_MC_ENV = {"DECODE_ADDR": "10.0.0.2", "PREFILL_ADDR": "10.0.0.1", "CP_SIZE": "8", "RDMA_DEVICE": "mlx5_0"}
+
+
+def test_mooncake_rdma_compose_file_validates(tmp_path: Path) -> None:
+    """The RDMA variant: every service resolves to data_plane = "mooncake" over rdma, with the
+    device, the locked memory and the node addresses it needs, and no CURVE."""
+    proc = compose_config(COMPOSE_MC_ENV, tmp_path, COMPOSE_MC)
+    assert proc.returncode == 0, proc.stderr
+    services: dict[str, Any] = yaml_to_data(proc.stdout)["services"]
+    assert sorted(services) == ["decode", *(f"prefill-r{r}" for r in range(8))]
+    for name, svc in services.items():
+        assert re.fullmatch(r"transferd:\d+\.\d+\.\d+-mooncake", svc["image"]), name
+        assert svc["build"]["args"]["EXTRAS"] == "mooncake"
+        assert any(str(d).startswith("/dev/infiniband") for d in svc["devices"]), name
+        assert "IPC_LOCK" in svc["cap_add"] and svc["ipc"] == "host"
+        assert seconds(svc["stop_grace_period"]) > max(drain_timeouts()), name
+        mounts = {v.split(":")[1]: v for v in svc["volumes"]}
+        cfg: Config = load(mounts["/etc/transferd/transferd.toml"].split(":")[0],
+                           env={k: str(v) for k, v in svc["environment"].items()})
+        side = cfg.receiver if name == "decode" else cfg.sender
+        assert (side.data_plane, side.mooncake_protocol, side.mooncake_device) == ("mooncake", "rdma", "mlx5_0")
+        assert side.mooncake_hostname == ("10.0.0.2" if name == "decode" else "10.0.0.1")
+        assert not side.curve_secret_key
+        if name != "decode":
+            cmd = svc["command"]
+            cfg.with_overrides("sender", cp_rank=int(cmd[cmd.index("--cp-rank") + 1]))
+
+
+@pytest.mark.parametrize("missing", sorted(COMPOSE_MC_ENV))
+def test_mooncake_rdma_compose_has_no_defaults_for_addresses_sizes_or_devices(missing: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in COMPOSE_MC_ENV.items() if k != missing}
+    proc = compose_config(env, tmp_path, COMPOSE_MC)
+    assert proc.returncode != 0 and missing in proc.stderr, proc.stderr
+
+
 # -- configurations ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -301,7 +337,17 @@ def test_config_loads(path: Path) -> None:
 
 
 def test_expected_configs_exist() -> None:
-    assert {"local.toml", "receiver.toml", "sender.toml", "cp8-multinode.toml"} <= {p.name for p in CONFIGS}
+    assert {"local.toml", "receiver.toml", "sender.toml", "cp8-multinode.toml", "mooncake-rdma.toml"} <= {
+        p.name for p in CONFIGS}
+
+
+def test_mooncake_rdma_config_reads_over_rdma_with_both_sides_agreeing() -> None:
+    cfg = load(ROOT / "configs" / "mooncake-rdma.toml", env={})
+    for side in (cfg.receiver, cfg.sender):
+        assert (side.data_plane, side.mooncake_protocol) == ("mooncake", "rdma") and side.mooncake_device
+        assert side.mooncake_hostname and not side.mooncake_hostname.startswith("127.")
+    assert cfg.sender.receivers == (cfg.receiver.bind,) and not cfg.receiver.curve_secret_key
+    assert cfg.model == load(ROOT / "configs" / "cp8-multinode.toml", env={}).model
 
 
 def test_receiver_and_sender_configs_share_the_layout() -> None:

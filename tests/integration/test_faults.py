@@ -35,6 +35,7 @@ def _ok_room(cluster, dc, dpool, pcs, spools, room_id, group, cp, **kw) -> None:
     dc.release(r.room, group)
 
 
+@pytest.mark.planes
 def test_killed_sender_fails_exactly_its_groups_rooms_within_the_deadline(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(kv_pages=512, **FAST)
     pa, pools_a = cluster.group("pa", 2, [ep], **FAST)
@@ -66,6 +67,7 @@ def test_killed_sender_fails_exactly_its_groups_rooms_within_the_deadline(cluste
     _ok_room(cluster, dc, dpool, pa, pools_a, 3, "pa", 2, dst_start=200, slot=8)
 
 
+@pytest.mark.planes
 def test_restarted_sender_is_a_new_incarnation_and_old_rooms_fail(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(**FAST)
     pcs, spools = cluster.group("prefill0", 2, [ep], heartbeat_interval_s=30.0)
@@ -85,6 +87,7 @@ def test_restarted_sender_is_a_new_incarnation_and_old_rooms_fail(cluster: Clust
     _ok_room(cluster, dc, dpool, pcs, spools, 10, "prefill0", 2)
 
 
+@pytest.mark.planes
 def test_dead_receiver_fails_its_rooms_and_the_group_keeps_serving_the_other(cluster: Cluster) -> None:
     ep1, dc1, pool1 = cluster.receiver("decode1", **FAST)
     ep2, dc2, pool2 = cluster.receiver("decode2", **FAST)
@@ -103,6 +106,7 @@ def test_dead_receiver_fails_its_rooms_and_the_group_keeps_serving_the_other(clu
     _ok_room(cluster, dc2, pool2, pcs, spools, 22, "prefill0", 2, slot=3)
 
 
+@pytest.mark.planes
 def test_restarted_receiver_is_registered_with_again_automatically(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(**FAST)
     pcs, spools = cluster.group("prefill0", 2, [ep], **FAST)
@@ -214,12 +218,26 @@ def test_checksum_turns_corruption_into_a_failed_room(cluster: Cluster) -> None:
     ("drop-frames:0.05", "incomplete"), ("corrupt-frames:0.05", "checksum"), ("slow-receiver:1", None),
 ])
 def test_demo_fault_harness(tmp_path: Path, spec: str, reason: str | None) -> None:
+    _demo_fault(tmp_path, spec, reason)
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("kill-sender:1", "peer_lost"), ("restart-receiver", "receiver_restarted"), ("drop-frames:0.05", "incomplete"),
+])
+def test_demo_fault_harness_over_mooncake(tmp_path: Path, plane_mooncake: str, spec: str, reason: str) -> None:
+    """The same faults with every row read by Mooncake TE (cp 2: the dropped data-refs, the
+    killed sender's reads and the restarted receiver's engine)."""
+    s = _demo_fault(tmp_path, spec, reason, "--data-plane", "mooncake", "--cp-size", "2")
+    assert s["bytes_by_path"]["mooncake"] == sum(s["wire_bytes"].values()) > 0, s["bytes_by_path"]
+
+
+def _demo_fault(tmp_path: Path, spec: str, reason: str | None, *extra: str) -> dict:
     out = tmp_path / "s.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--rooms", "16", "--in-flight", "4",
-                           "--fault", spec, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+                           "--fault", spec, "--json", str(out), *extra], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads(out.read_text())
     assert s["faults"] == [spec] and s["corrupted_rooms"] == 0 and s["mismatched_bytes"] == 0
@@ -230,3 +248,4 @@ def test_demo_fault_harness(tmp_path: Path, spec: str, reason: str | None) -> No
         assert s["rooms_failed"] > 0 and set(s["rooms_failed_by_reason"]) == {reason}, s["rooms_failed_by_reason"]
     if spec.split(":")[0] in ("kill-sender", "restart-receiver", "pause-sender"):
         assert s["rooms_after_fault"] > 0  # rooms ran after the fault, and all succeeded
+    return s

@@ -44,6 +44,7 @@ from transferd.protocol.messages import (
 )
 from transferd.protocol.room import RoomState
 
+from .conftest import MOONCAKE
 from .harness import MODEL, Cluster, Proc, fill_random
 from .rooms import expect, make_room, mismatches, submit_all
 
@@ -179,6 +180,7 @@ class Env:
     proc: Proc
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1000))
     fakes: list[Fake] = field(default_factory=list)
+    engines: list[Any] = field(default_factory=list)  # the fakes' Mooncake engines (kept alive)
 
     def fake(self, name: str = "fake") -> Fake:
         f = Fake(self.ep, name)
@@ -225,7 +227,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     c = Cluster(Path(tmp_path_factory.mktemp("hostile")))
     fakes: list[Fake] = []
     try:
-        ep, dc, dpool = c.receiver(kv_pages=256, state_slots=64, aux_slots=64)
+        # the receiver also reads with Mooncake TE (from the fakes that offer it; the real senders do not)
+        mc = {"data_plane": "mooncake"} if MOONCAKE or os.environ.get("CI") else {}
+        ep, dc, dpool = c.receiver(kv_pages=256, state_slots=64, aux_slots=64, **mc)
         assert layout_difference(FAKE_LAYOUT, dpool.layout) is None
         pcs, spools = c.group(REAL_GROUP, 2, [ep], state_slots=64, aux_slots=64)
         for i, p in enumerate(spools):
@@ -237,6 +241,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         for f in fakes:
             f.close()
         codes = c.close()
+        for engine in e.engines:
+            engine.close()
     bad = {k: v for k, v in codes.items() if v != 0}
     assert not bad, f"daemons did not exit cleanly on SIGTERM: {bad}\n{c.logs()}"
 
@@ -1095,7 +1101,21 @@ def _data_refs(f: Fake, tok: int, kind: int, buffer: int, pos: int, rows: list[i
     f.send(pack([3, tok, kind, buffer, pos, len(rows)]), body)
 
 
-def _shm_fake(env: Env) -> tuple[Fake, str, Pool]:
+REFS_PATHS = ["same_host", "mooncake"]
+"""The two planes whose data-refs name rows the receiver fetches itself: the same-host copy and
+Mooncake TE reads (the fake registers its pool with an engine of its own)."""
+
+
+def _needs_mooncake() -> None:
+    if not MOONCAKE:
+        if os.environ.get("CI"):
+            pytest.fail("mooncake-transfer-engine is not installed (pip install -e '.[mooncake]'; libibverbs1)")
+        pytest.skip("mooncake-transfer-engine is not installed")
+
+
+def _shm_fake(env: Env, path: str = "same_host") -> tuple[Fake, str, Pool]:
+    """A fake sender whose data-refs the receiver serves from the fake's own pool: mapped (same
+    host) or read with Mooncake TE."""
     from transferd.pool import host_boot_id
 
     name = f"{env.cluster.tag}-fakeshm-{next(env.ids)}"
@@ -1104,9 +1124,18 @@ def _shm_fake(env: Env) -> tuple[Fake, str, Pool]:
     fill_random(spool, 5)
     group = f"fakeshm-{next(env.ids)}"
     fake = env.fake("shm")
-    fake.ctrl(register_header(group, 0, 1) | {"boot_id": host_boot_id(), "pool": name, "pool_id": spool.pool_id})
+    if path == "mooncake":
+        _needs_mooncake()
+        from transferd.transport.planes import MooncakeEngine
+
+        engine = MooncakeEngine("127.0.0.1", "tcp", "")
+        env.engines.append(engine)
+        fake.ctrl(register_header(group, 0, 1) | {"te_session": engine.session,
+                                                  "te_addrs": list(engine.register(spool.rows))})
+    else:
+        fake.ctrl(register_header(group, 0, 1) | {"boot_id": host_boot_id(), "pool": name, "pool_id": spool.pool_id})
     reply = fake.next("registered")
-    assert reply["ok"] is True and reply.get("shm") is True, reply
+    assert reply["ok"] is True and reply["shm"] is (path == "same_host") and reply["te"] is (path == "mooncake"), reply
     return fake, group, spool
 
 
@@ -1126,9 +1155,10 @@ def test_data_refs_without_an_agreed_same_host_path_fail_the_room(guard: Env, re
     env.dc.release(r.room, group)
 
 
-def test_data_ref_rows_outside_the_senders_pool_fail_the_room_and_good_refs_complete_one(guard: Env) -> None:
+@pytest.mark.parametrize("path", REFS_PATHS)
+def test_data_ref_rows_outside_the_senders_pool_fail_the_room_and_good_refs_complete_one(guard: Env, path: str) -> None:
     env = guard
-    fake, group, spool = _shm_fake(env)
+    fake, group, spool = _shm_fake(env, path)
     rows = FAKE_LAYOUT.kv_rows
     # rows [rows - 1, rows + 1) of the sender's own pool: one past its end
     r = open_room(env, fake, group)
@@ -1161,6 +1191,7 @@ def test_data_ref_rows_outside_the_senders_pool_fail_the_room_and_good_refs_comp
     env.dc.release(r.room, group)
 
 
+@pytest.mark.parametrize("path", REFS_PATHS)
 @pytest.mark.parametrize("case, rows, list_bytes, code", [
     ("past-the-end", [3, FAKE_LAYOUT.kv_rows], None, "index_out_of_range"),
     ("negative", [-1, 2], None, "index_out_of_range"),
@@ -1168,9 +1199,9 @@ def test_data_ref_rows_outside_the_senders_pool_fail_the_room_and_good_refs_comp
     ("list-odd-bytes", [3, 4], b"\x00" * 15, "length_mismatch"),
 ])
 def test_bad_data_refs_fail_the_room_and_write_nothing(guard: Env, case: str, rows: list[int],
-                                                       list_bytes: bytes | None, code: str) -> None:
+                                                       list_bytes: bytes | None, code: str, path: str) -> None:
     env = guard
-    fake, group, _ = _shm_fake(env)
+    fake, group, _ = _shm_fake(env, path)
     r = open_room(env, fake, group)
     before, logs = env.refused(), env.log_lines(code)
     _data_refs(fake, r.tok, KV, _kv0(r), 0, rows, list_bytes=list_bytes)
@@ -1181,9 +1212,10 @@ def test_bad_data_refs_fail_the_room_and_write_nothing(guard: Env, case: str, ro
     env.dc.release(r.room, group)
 
 
-def test_scattered_data_refs_complete_a_room_byte_exact(guard: Env) -> None:
+@pytest.mark.parametrize("path", REFS_PATHS)
+def test_scattered_data_refs_complete_a_room_byte_exact(guard: Env, path: str) -> None:
     env = guard
-    fake, group, spool = _shm_fake(env)
+    fake, group, spool = _shm_fake(env, path)
     r = open_room(env, fake, group)
     L = r.layout
     n = len(r.dst)
@@ -1204,6 +1236,67 @@ def test_scattered_data_refs_complete_a_room_byte_exact(guard: Env) -> None:
     st = r.wait()
     assert st.state is RoomState.SUCCESS, st
     r.check_pool()
+    env.dc.release(r.room, group)
+
+
+@pytest.mark.parametrize("path", REFS_PATHS)
+def test_an_aux_row_with_the_wrong_room_id_fails_the_room_and_is_not_written(guard: Env, path: str) -> None:
+    env = guard
+    fake, group, spool = _shm_fake(env, path)
+    r = open_room(env, fake, group)
+    a = r.layout.aux_index
+    spool.rows[a][3, :8] = np.frombuffer(np.uint64(r.room + 1).astype("<u8").tobytes(), np.uint8)
+    before, logs = env.refused(), env.log_lines("aux_guard")
+    _data_refs(fake, r.tok, AUX, a, 0, [3])
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "aux_guard", st
+    assert_refused_once(env, before, logs, "aux_guard")
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+def test_a_mooncake_read_the_engine_fails_fails_the_room_with_transport_error(guard: Env) -> None:
+    """A session nobody serves, and addresses outside what the sender registered: the engine
+    fails the read; the room fails naming the peer's session and the engine's code; nothing is
+    written; the receiver goes on serving."""
+    _needs_mooncake()
+    env = guard
+    for session, offset in (("127.0.0.1:1", 0), (None, 1 << 40)):
+        fake, group, spool = _shm_fake(env, "mooncake")
+        good = env.engines[-1]  # register again (epoch 1) with what the engine will fail on
+        addrs = [int(b.ctypes.data) + offset for b in spool.rows]
+        fake.ctrl(register_header(group, 0, 1) | {"epoch": 1, "te_session": session or good.session,
+                                                  "te_addrs": addrs})
+        assert fake.next("registered")["te"] is True
+        r = open_room(env, fake, group)
+        _data_refs(fake, r.tok, KV, _kv0(r), 0, list(range(r.n)))
+        r.done()
+        st = r.wait()
+        assert st.state is RoomState.FAILED and st.code == "transport_error", st
+        assert "Mooncake TE read of" in st.reason and (session or good.session) in st.reason, st.reason
+        assert f"{group} rank 0" in st.reason, st.reason
+        r.check_pool()
+        env.dc.release(r.room, group)
+
+
+def test_abort_of_a_mooncake_room_returns_after_its_reads_settled(guard: Env) -> None:
+    """The abort barrier over Mooncake TE: rows named before the abort may be read until abort
+    returns; nothing of the room is written after it."""
+    _needs_mooncake()
+    env = guard
+    fake, group, spool = _shm_fake(env, "mooncake")
+    r = open_room(env, fake, group, n=40)
+    dropped = env.dc.stats()["dropped"].get("room_not_live", 0)
+    for b in r.layout.indices("kv"):
+        _data_refs(fake, r.tok, KV, b, 0, list(range(40)))
+    env.dc.abort(r.room, group, "engine gave up")
+    after = [rows.copy() for rows in env.dpool.rows]
+    for b in r.layout.indices("kv"):  # later refs of the room: dropped, never read
+        _data_refs(fake, r.tok, KV, b, 0, list(range(40)))
+    env.until(lambda: env.dc.stats()["dropped"].get("room_not_live", 0) >= dropped + len(r.layout.indices("kv")),
+              "the late refs to be dropped")
+    assert env.dc.poll(r.room, group).code == "aborted"
+    assert all(np.array_equal(a, b) for a, b in zip(after, env.dpool.rows)), "bytes written after abort returned"
     env.dc.release(r.room, group)
 
 

@@ -17,6 +17,7 @@ def _sum_bytes(pcs, kind: str) -> int:
     return sum(pc.stats()["bytes"][kind] for pc in pcs)
 
 
+@pytest.mark.planes
 def test_chunked_room_with_prefix_and_empty_last_chunk(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver()
     pcs, spools = cluster.group("prefill0", 2, [ep])
@@ -53,9 +54,13 @@ def test_chunked_room_with_prefix_and_empty_last_chunk(cluster: Cluster) -> None
     # pages 0..5 belong to rank 0, 6..11 to rank 1: rank 0 sends only position 5
     assert pcs[0].stats()["bytes"]["kv"] == 1 * layout.kv_page_bytes()
     assert dc.stats()["bytes"] == {"kv": 7 * layout.kv_page_bytes(), "state": copy, "aux": layout.aux_row_bytes}
+    cluster.check_plane(dc.stats())
+    for pc in pcs:
+        cluster.check_plane(pc.stats())
     dc.release(r.room, r.group)
 
 
+@pytest.mark.planes
 def test_many_rooms_two_groups_one_receiver(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(kv_pages=1024)
     groups = {"pa": 2, "pb": 3}
@@ -95,8 +100,10 @@ def test_many_rooms_two_groups_one_receiver(cluster: Cluster) -> None:
     rx = dc.stats()
     assert rx["rooms"] == {"success": len(rooms)} and not rx["refused"]
     assert rx["bytes"]["state"] == len(rooms) * copy
+    cluster.check_plane(rx)
 
 
+@pytest.mark.planes
 def test_one_group_serves_two_receivers(cluster: Cluster) -> None:
     ep1, dc1, pool1 = cluster.receiver("decode1")
     ep2, dc2, pool2 = cluster.receiver("decode2")
@@ -120,8 +127,11 @@ def test_one_group_serves_two_receivers(cluster: Cluster) -> None:
         assert mismatches(r, pool, spools, "pages", before[id(pool)]) == 0
     assert dc1.stats()["rooms"] == {"success": 4} and dc2.stats()["rooms"] == {"success": 4}
     assert [pc.stats()["rooms"] for pc in pcs] == [{"success": 8}] * 2
+    cluster.check_plane(dc1.stats())
+    cluster.check_plane(dc2.stats())
 
 
+@pytest.mark.planes
 @pytest.mark.parametrize("split", ["layers", "rank0"])
 def test_split_modes_cp4(cluster: Cluster, split: str) -> None:
     ep, dc, dpool = cluster.receiver()
@@ -135,6 +145,7 @@ def test_split_modes_cp4(cluster: Cluster, split: str) -> None:
     submit_all(pcs, r)
     assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
     assert mismatches(r, dpool, spools, split, before) == 0
+    cluster.check_plane(dc.stats())
     copy = state_copy_bytes(dpool)
     assert _sum_bytes(pcs, "state") == copy
     skipped = sum(pc.stats()["state_bytes_skipped"] for pc in pcs)
@@ -191,6 +202,7 @@ def test_same_host_path_can_be_turned_off_on_the_receiver(cluster: Cluster) -> N
     assert dc.stats()["shm_bytes"] == 0 and sum(dc.stats()["bytes"].values()) > 0
 
 
+@pytest.mark.planes
 def test_batched_engine_calls(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver()
     pcs, spools = cluster.group("prefill0", 2, [ep])
@@ -264,6 +276,7 @@ def test_a_sender_stopped_with_rows_in_flight_exits_cleanly(cluster: Cluster) ->
     assert st.state is RoomState.FAILED and st.code in ("shutdown", "peer_lost"), st
 
 
+@pytest.mark.planes
 def test_dedup_off_every_rank_ships_the_state_and_the_room_is_byte_exact(cluster: Cluster) -> None:
     """sender.dedup = false (the comparison setting): the pages-split ranks each send their own
     copy of the replicated state; the receiver takes it once from each, and the bytes on the wire
@@ -285,6 +298,7 @@ def test_dedup_off_every_rank_ships_the_state_and_the_room_is_byte_exact(cluster
     assert dc.stats()["bytes"]["state"] == 4 * state_copy_bytes(dpool)
     assert all(pc.stats()["state_bytes_skipped"] == 0 for pc in pcs)
     assert [pc.stats()["bytes"].get("state", 0) for pc in pcs] == [state_copy_bytes(dpool)] * 4
+    cluster.check_plane(dc.stats())
 
 
 def test_cp4_without_dedup_on_data_streams_is_byte_exact(cluster: Cluster) -> None:

@@ -173,6 +173,16 @@ def test_coercions() -> None:
         ({"sender": {"assign_timeout_s": 0}}, "sender.assign_timeout_s"),
         ({"receiver": {"max_frame_bytes": "64KiB"}, "sender": {"max_message_bytes": "1MiB"}},
          "receiver.max_frame_bytes"),
+        ({"receiver": {"data_plane": "nixl"}}, "'nixl'"),
+        ({"sender": {"mooncake_protocol": "efa"}}, "sender.mooncake_protocol must be one of tcp, rdma"),
+        ({"receiver": {"mooncake_device": "mlx5_0;rm -rf"}}, "receiver.mooncake_device"),
+        ({"sender": {"mooncake_hostname": "10.0.0.1:1234"}}, "sender.mooncake_hostname"),
+        ({"receiver": {"mooncake_batch_entries": 0}}, "receiver.mooncake_batch_entries must lie in"),
+        ({"receiver": {"mooncake_batch_entries": 4096}}, "receiver.mooncake_batch_entries must lie in"),
+        ({"receiver": {"mooncake_batch_entries": 1024, "mooncake_reads_in_flight": 4}},
+         "rejects a whole batch"),
+        ({"receiver": {"data_plane": "mooncake", "curve_secret_key": "k", "curve_allow_dir": "d"}},
+         "unencrypted"),
     ],
 )
 def test_validation(data: dict[str, Any], needle: str) -> None:

@@ -38,8 +38,11 @@ SAMPLES: list[Message] = [
              layout=LAYOUT_WIRE, incarnation=U64_MAX, pid=4242, host="node-7"),
     Register(group="g", rank=0, cp_size=1, split="layers", fingerprint="", layout={}, incarnation=0,
              epoch=3, checksum="crc32", stream=True),
+    Register(group="g", rank=1, cp_size=2, split="pages", fingerprint="", layout={}, incarnation=0,
+             te_session="10.0.0.7:15099", te_addrs=(1 << 40, U64_MAX)),
     Registered(ok=True, reason="", receiver="decode0", incarnation=17),
     Registered(ok=True, reason="", receiver="decode0", incarnation=17, stream_port=65535, stream_key=bytes(range(16))),
+    Registered(ok=True, reason="", receiver="decode0", incarnation=17, te=True),
     Registered(ok=False, reason="layout differs", receiver="decode0", incarnation=1, retry=True),
     Assign(tok=U64_MAX, room=12345678901234, n_pages=4, prefix=1, dst_pages=(9, 10, 11, 40),
            state={"conv": (1, 2), "ssm": ()}, aux_slot=3),
@@ -78,6 +81,22 @@ def test_registered_stream_offer_must_be_a_port_with_a_16_byte_key(port: int, ke
     obj = msgpack.unpackb(encode(Registered(True, "", "decode0", 1)), raw=False)
     obj["stream_port"], obj["stream_key"] = port, key
     with pytest.raises(DecodeError, match="stream_port|stream_key"):
+        decode_header(msgpack.packb(obj, use_bin_type=True))
+
+
+@pytest.mark.parametrize("session,addrs,needle", [
+    ("", [4096], "te_session of 0 characters with 1 te_addrs"),
+    ("h:1", [], "te_session of 3 characters with 0 te_addrs"),
+    ("h" * 300 + ":1", [4096], "te_session of 302 characters"),
+    ("nohostport", [4096], "is not HOST:PORT"),
+    ("h:1", [4096, 0], "an address is 0"),
+    ("h:1", [-1], "te_addrs"),
+    ("h:1", ["4096"], "te_addrs"),
+])
+def test_register_te_session_goes_with_its_buffer_addresses(session: str, addrs: list[Any], needle: str) -> None:
+    obj = msgpack.unpackb(encode(SAMPLES[0]), raw=False)
+    obj["te_session"], obj["te_addrs"] = session, addrs
+    with pytest.raises(DecodeError, match=needle):
         decode_header(msgpack.packb(obj, use_bin_type=True))
 
 

@@ -171,6 +171,35 @@ def test_same_host_candidate_needs_the_same_boot_id_and_the_setting() -> None:
     assert core(same_host=False).register(b"x", register_msg(pool="p", boot_id="boot-a"), T0).same_host_pool == ""  # type: ignore[union-attr]
 
 
+def test_mooncake_is_agreed_when_both_sides_set_it_and_wins_over_same_host_and_stream() -> None:
+    addrs = tuple(4096 * (i + 1) for i in range(len(LAYOUT.buffers)))
+    msg = register_msg(pool="p", boot_id="boot-a", stream=True, te_session="h:1", te_addrs=addrs)
+    c = core(stream_port=4000, mooncake=True)
+    adm = c.register(b"a", msg, T0)
+    assert isinstance(adm, Admission) and adm.te and adm.same_host_pool == ""
+    peer = c.admit(adm, T0, same_host=False, stream_key=b"k" * 16, te=True)
+    (reply,) = of(c.drain(), Send)
+    assert reply.msg.te and not reply.msg.shm and reply.msg.stream_port == 0 and peer.te and not c.stream_keys
+    # a repeated register keeps it
+    assert c.register(b"a", msg, T0 + 1) is None
+    (reply,) = of(c.drain(), Send)
+    assert reply.msg.te
+    # one side only: today's choice, with a warning
+    c = core(stream_port=4000)
+    adm = c.register(b"a", msg, T0)
+    assert isinstance(adm, Admission) and not adm.te and adm.same_host_pool == "p"
+    assert any("no engine" in n.text for n in of(c.drain(), Note))
+    adm = core(mooncake=True).register(b"a", register_msg(), T0)
+    assert isinstance(adm, Admission) and not adm.te
+
+
+def test_mooncake_addresses_must_name_every_buffer() -> None:
+    c = core(mooncake=True)
+    assert c.register(b"a", register_msg(te_session="h:1", te_addrs=(4096,)), T0) is None
+    (r,) = of(c.drain(), Refuse)
+    assert r.code == "bad_settings" and f"te_addrs names 1 buffers, the layout has {len(LAYOUT.buffers)}" in r.reason
+
+
 def test_a_stream_is_offered_only_when_asked_served_and_not_same_host() -> None:
     c = core(stream_port=4000)
     adm = c.register(b"a", register_msg(rank=0, stream=True), T0)

@@ -15,6 +15,7 @@ class Accounting:
     frames: int = 0
     shm_bytes: int = 0  # the part of ``bytes`` moved by the same-host path (not on the wire)
     stream_bytes: int = 0  # the part of ``bytes`` moved on data streams (stream.py), not through ZeroMQ
+    mooncake_bytes: int = 0  # the part of ``bytes`` moved by Mooncake Transfer Engine reads (mooncake.py)
     state_bytes_skipped: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
@@ -32,6 +33,7 @@ class Accounting:
             "frames": self.frames,
             "shm_bytes": self.shm_bytes,
             "stream_bytes": self.stream_bytes,
+            "mooncake_bytes": self.mooncake_bytes,
             "state_bytes_skipped": self.state_bytes_skipped,
             "refused": dict(self.refused),
             "dropped": dict(self.dropped),

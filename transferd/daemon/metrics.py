@@ -51,6 +51,10 @@ class _AgentCollector(Collector):
                                 "not through ZeroMQ)", labels=["direction"])
         c.add_metric([direction], snap["stream_bytes"])
         yield c
+        c = CounterMetricFamily("transferd_mooncake_bytes", "Part of transferd_bytes moved by Mooncake Transfer "
+                                "Engine reads", labels=["direction"])
+        c.add_metric([direction], snap["mooncake_bytes"])
+        yield c
         c = CounterMetricFamily("transferd_frames", "Data messages moved", labels=["direction"])
         c.add_metric([direction], snap["frames"])
         yield c

@@ -8,6 +8,7 @@ Nothing here does I/O; ``docs/PROTOCOL.md`` describes the same format in prose.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,7 +26,11 @@ from ..errors import DecodeError, VersionMismatch
 #   3 — the data stream: register.stream (the sender would use one), registered.stream_port and
 #       registered.stream_key (the receiver offers one); data, data-batch and done messages may
 #       then travel as records on a plain TCP connection (docs/PROTOCOL.md, "data stream").
-PROTOCOL_VERSION = 3
+#   4 — Mooncake Transfer Engine: register.te_session and register.te_addrs (the sender's engine
+#       session id and the address of each of its pool's buffers), registered.te (the receiver
+#       reads the rows with its own engine); data-refs then name rows the receiver reads remotely.
+PROTOCOL_VERSION = 4
+MAX_TE_SESSION = 255  # "host:port" of an engine; longer is hostile
 
 MAX_CP_SIZE = 1024
 DATA_TAG = 1
@@ -105,6 +110,10 @@ class Register:
     """The group's de-dup setting: off, every pages-split rank sends the replicated state too."""
     stream: bool = False
     """This sender would send its data on a data stream, if the receiver offers one."""
+    te_session: str = ""
+    """Its Mooncake Transfer Engine's session id ``host:port`` ("" = not offered)."""
+    te_addrs: tuple[int, ...] = ()
+    """With ``te_session``: the address of each pool buffer's first row in that engine."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "group": self.group, "rank": self.rank,
@@ -112,20 +121,28 @@ class Register:
                 "layout": self.layout, "inc": self.incarnation, "pid": self.pid, "host": self.host,
                 "epoch": self.epoch, "checksum": self.checksum, "boot_id": self.boot_id, "pool": self.pool,
                 "pool_id": self.pool_id, "max_msg": self.max_message_bytes, "dedup": self.dedup,
-                "stream": self.stream}
+                "stream": self.stream, "te_session": self.te_session, "te_addrs": list(self.te_addrs)}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Register:
         w = "register"
-        return cls(group=_req(d, "group", str, w), rank=_int(d, "rank", w, 0, 1 << 16),
-                   cp_size=_int(d, "cp_size", w, 1, MAX_CP_SIZE), split=_req(d, "split", str, w),
-                   fingerprint=_req(d, "fp", str, w), layout=_req(d, "layout", dict, w),
-                   incarnation=_int(d, "inc", w), pid=_int(d, "pid", w, 0, 1 << 32),
-                   host=_req(d, "host", str, w), epoch=_int(d, "epoch", w),
-                   checksum=_req(d, "checksum", str, w), boot_id=_req(d, "boot_id", str, w),
-                   pool=_req(d, "pool", str, w), pool_id=_int(d, "pool_id", w),
-                   max_message_bytes=_int(d, "max_msg", w), dedup=_req(d, "dedup", bool, w),
-                   stream=_req(d, "stream", bool, w))
+        out = cls(group=_req(d, "group", str, w), rank=_int(d, "rank", w, 0, 1 << 16),
+                  cp_size=_int(d, "cp_size", w, 1, MAX_CP_SIZE), split=_req(d, "split", str, w),
+                  fingerprint=_req(d, "fp", str, w), layout=_req(d, "layout", dict, w),
+                  incarnation=_int(d, "inc", w), pid=_int(d, "pid", w, 0, 1 << 32),
+                  host=_req(d, "host", str, w), epoch=_int(d, "epoch", w),
+                  checksum=_req(d, "checksum", str, w), boot_id=_req(d, "boot_id", str, w),
+                  pool=_req(d, "pool", str, w), pool_id=_int(d, "pool_id", w),
+                  max_message_bytes=_int(d, "max_msg", w), dedup=_req(d, "dedup", bool, w),
+                  stream=_req(d, "stream", bool, w))
+        session: str = _req(d, "te_session", str, w)
+        addrs = _int_list(d, "te_addrs", w)
+        if len(session) > MAX_TE_SESSION or (session == "") != (len(addrs) == 0):
+            raise DecodeError(f"register: te_session of {len(session)} characters with {len(addrs)} te_addrs "
+                              f"(a session of at most {MAX_TE_SESSION} goes with the buffers' addresses, none with none)")
+        if session and (":" not in session or 0 in addrs):
+            raise DecodeError(f"register: te_session {session[:80]!r} is not HOST:PORT, or an address is 0")
+        return dataclasses.replace(out, te_session=session, te_addrs=addrs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +162,13 @@ class Registered:
     """Accepted with a data stream: connect to this TCP port of the receiver's host (0 = none)."""
     stream_key: bytes = b""
     """The 16 bytes the sender's hello on that stream must carry (empty when no stream)."""
+    te: bool = False
+    """Accepted with Mooncake Transfer Engine: the receiver reads the rows the data-refs name."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "ok": self.ok, "reason": self.reason,
                 "receiver": self.receiver, "inc": self.incarnation, "retry": self.retry, "shm": self.shm,
-                "stream_port": self.stream_port, "stream_key": self.stream_key}
+                "stream_port": self.stream_port, "stream_key": self.stream_key, "te": self.te}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Registered:
@@ -157,7 +176,8 @@ class Registered:
         out = cls(ok=_req(d, "ok", bool, w), reason=_req(d, "reason", str, w),
                   receiver=_req(d, "receiver", str, w), incarnation=_int(d, "inc", w),
                   retry=_req(d, "retry", bool, w), shm=_req(d, "shm", bool, w),
-                  stream_port=_int(d, "stream_port", w, 0, 65535), stream_key=_req(d, "stream_key", bytes, w))
+                  stream_port=_int(d, "stream_port", w, 0, 65535), stream_key=_req(d, "stream_key", bytes, w),
+                  te=_req(d, "te", bool, w))
         if (out.stream_port == 0) != (len(out.stream_key) == 0) or len(out.stream_key) not in (0, 16):
             raise DecodeError(f"registered: stream_port {out.stream_port} with a {len(out.stream_key)}-byte "
                               "stream_key (a port goes with a 16-byte key, no port with none)")

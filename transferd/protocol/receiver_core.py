@@ -50,6 +50,7 @@ class Peer:
     same_host: bool = False  # the receiver reads this sender's pool (the same-host plane)
     stream_key: bytes = b""  # the data stream offered at registration (its hello carries this key)
     streaming: bool = False  # its data stream is open
+    te: bool = False  # the receiver reads this sender's rows with Mooncake Transfer Engine
 
     @property
     def label(self) -> str:
@@ -148,6 +149,7 @@ class Admission:
     split: SplitMode
     checksum: Callable[[Any], int] | None
     same_host_pool: str  # the pool to attach for the same-host plane ("" = not a candidate)
+    te: bool = False  # a candidate for the Mooncake plane: both sides set data_plane = "mooncake"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,7 @@ class Settings:
     same_host: bool = True  # the same-host plane is allowed (receiver.same_host = "auto")
     boot_id: str = ""  # this host's boot id ("" = unknown: no same-host plane)
     stream_port: int = 0  # the data-stream port offered to senders (0 = no data streams)
+    mooncake: bool = False  # this receiver reads with Mooncake Transfer Engine (data_plane = "mooncake")
 
 
 # -- the core ----------------------------------------------------------------------------------
@@ -277,9 +280,18 @@ class ReceiverCore:
             # a repeated register (several queued while this receiver was away): the registration
             # goes on as it is — its plane, its stream or unused key, its rooms; nothing new offered
             known.last_seen = now
-            self.actions.append(Send(ident, self._registered(True, shm=known.same_host)))
+            self.actions.append(Send(ident, self._registered(True, shm=known.same_host, te=known.te)))
             self._assign_waiting(self._group_for(msg, split), msg.rank, now)
             return None
+        if msg.te_session and len(msg.te_addrs) != len(self._row_bytes):
+            refuse(f"te_addrs names {len(msg.te_addrs)} buffers, the layout has {len(self._row_bytes)}", "bad_settings")
+            return None
+        if msg.te_session and self.s.mooncake:  # the Mooncake plane: the same-host pool is not needed
+            return Admission(ident, msg, split, checksum, "", te=True)
+        if msg.te_session:  # a receiver that reads with Mooncake TE also serves senders that do not
+            self.actions.append(Note("warning", f"{msg.group} rank {msg.rank} offers Mooncake TE reads but this "
+                                                "receiver has no engine (receiver.data_plane is not \"mooncake\"): "
+                                                "today's data plane"))
         candidate = ""
         if msg.pool and self.s.same_host and msg.boot_id and msg.boot_id == self.s.boot_id:
             candidate = msg.pool
@@ -303,9 +315,10 @@ class ReceiverCore:
             group = self.groups[msg.group] = Group(msg.group, msg.cp_size, split, msg.dedup)
         return group
 
-    def admit(self, adm: Admission, now: float, *, same_host: bool, stream_key: bytes) -> Peer:
+    def admit(self, adm: Admission, now: float, *, same_host: bool, stream_key: bytes, te: bool = False) -> Peer:
         """Complete a registration: ``same_host`` says whether the shell attached the offered
-        pool; ``stream_key`` is a fresh random key, used if a data stream is offered."""
+        pool; ``stream_key`` is a fresh random key, used if a data stream is offered; ``te``
+        whether the shell will read the sender's rows with Mooncake Transfer Engine."""
         ident, msg = adm.ident, adm.msg
         group = self._group_for(msg, adm.split)
         known = self.peers.get(ident)
@@ -325,14 +338,15 @@ class ReceiverCore:
             self._fail_rooms_assigned_to(msg.group, msg.rank, old_ident, FailureCode.PEER_RESTARTED, reason, now)
         group.ranks[msg.rank] = ident
         peer = self.peers[ident] = Peer(ident, msg.group, msg.rank, msg.incarnation, msg.pid, msg.host, now, now,
-                                        msg.epoch, adm.checksum, same_host)
+                                        msg.epoch, adm.checksum, same_host, te=te)
         port = 0
-        if msg.stream and self.s.stream_port and not same_host:
+        if msg.stream and self.s.stream_port and not same_host and not te:
             peer.stream_key, port = stream_key, self.s.stream_port
             self.stream_keys[stream_key] = ident
         self.actions.append(Send(ident, self._registered(True, shm=same_host, stream_port=port,
-                                                         stream_key=peer.stream_key if port else b"")))
-        how = (f"same-host path via pool {msg.pool}" if same_host else
+                                                         stream_key=peer.stream_key if port else b"", te=te)))
+        how = (f"Mooncake TE reads from {msg.te_session}" if te else
+               f"same-host path via pool {msg.pool}" if same_host else
                f"data stream on port {port}" if port else "data over the socket")
         self.actions.append(Note("info", f"registered {msg.group} rank {msg.rank}/{msg.cp_size} ({adm.split.value}, "
                                          f"incarnation {msg.incarnation:x}, pid {msg.pid} on {msg.host}, {how})"))

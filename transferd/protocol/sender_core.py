@@ -263,7 +263,9 @@ class SenderCore:
                 ConnState.REGISTERED, msg.receiver, msg.incarnation, "")
             if again:
                 return  # the answer to a repeated register: the connection, its path and stream go on
-            if msg.shm:
+            if msg.te:
+                conn.plane, how = PlaneName.MOONCAKE, "Mooncake TE: the receiver reads this pool"
+            elif msg.shm:
                 conn.plane, how = PlaneName.SAME_HOST, "same-host path: the receiver reads this pool"
             elif msg.stream_port and conn.stream_capable:
                 conn.plane, how = PlaneName.STREAM, f"data stream to port {msg.stream_port}"

@@ -15,6 +15,8 @@ import os
 import random
 import socket
 import time
+from collections.abc import Awaitable
+from functools import partial
 from typing import Any
 
 import zmq
@@ -44,8 +46,8 @@ from ..transport.curve import is_wildcard, load_keypair, watch_handshakes
 from ..transport.data_stream import StreamReader, StreamServer, stream_host
 from ..transport.local_api import LocalApiServer
 from ..transport.loop_socket import LoopSocket, configure
-from ..transport.planes import ReceiverPlane, SameHostReceiver
-from ..types import AutoOff
+from ..transport.planes import MooncakeEngine, MooncakeReceiver, Reader, ReceiverPlane, SameHostReceiver, local_hostname
+from ..types import AutoOff, DataPlane
 from . import api
 from .data import DataPath
 
@@ -72,7 +74,8 @@ class Receiver(AgentBase):
         self.engine_endpoint = ""
         self.streams: StreamServer | None = None
         self.slow_s = cfg.faults.slow_receiver_ms / 1000.0  # fault injection: a slow decode side
-        self.planes: dict[int, tuple[Peer, ReceiverPlane]] = {}  # id(peer) -> its same-host plane
+        self.planes: dict[int, tuple[Peer, ReceiverPlane]] = {}  # id(peer) -> its same-host or Mooncake plane
+        self.reader: Reader | None = None  # Mooncake TE reads (receiver.data_plane = "mooncake")
         self.streams_of: dict[int, tuple[Peer, StreamReader]] = {}  # id(peer) -> its open data stream
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}  # room token -> engines waiting for its end
         self.metrics_bind = self.rcfg.metrics_bind
@@ -87,7 +90,7 @@ class Receiver(AgentBase):
             heartbeat_interval_s=r.heartbeat_interval_s, heartbeat_misses=r.heartbeat_misses,
             bootstrap_timeout_s=r.bootstrap_timeout_s, waiting_timeout_s=r.waiting_timeout_s,
             stall_timeout_s=r.stall_timeout_s, same_host=r.same_host != AutoOff.OFF, boot_id=host_boot_id(),
-            stream_port=stream_port), self.layout, random.getrandbits(62) | 1)
+            stream_port=stream_port, mooncake=self.reader is not None), self.layout, random.getrandbits(62) | 1)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
@@ -105,6 +108,8 @@ class Receiver(AgentBase):
         self.router.setsockopt(zmq.RCVHWM, self.rcfg.recv_hwm)  # bounds bytes in flight per sender
         self.router.bind(self.rcfg.bind)
         self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.rcfg.data_plane is DataPlane.MOONCAKE:
+            self._start_mooncake()
         host = stream_host(self.data_endpoint)
         if self.rcfg.data_stream == AutoOff.AUTO and host is not None and not self.rcfg.curve_secret_key:
             self.streams = StreamServer(host, self.rcfg.stream_port, self.data, self.rcfg.max_frame_bytes)
@@ -123,6 +128,18 @@ class Receiver(AgentBase):
         log.info("%s: data on %s%s, engine API on %s, pool %s (%s)", self.name, self.data_endpoint,
                  f" and data streams on port {self.streams.port}" if self.streams else "",
                  self.engine_endpoint, self.pool.name, self.layout.fingerprint())
+
+    def _start_mooncake(self) -> None:
+        """This receiver's Transfer Engine, the decode pool registered with it, and its reader."""
+        r = self.rcfg
+        assert self.pool is not None
+        engine = MooncakeEngine(local_hostname(r.mooncake_hostname, self.data_endpoint), r.mooncake_protocol,
+                                r.mooncake_device)
+        engine.register(self.pool.rows)
+        self.reader = Reader(engine, r.mooncake_batch_entries, r.mooncake_reads_in_flight,
+                             self.layout.buffers[self.layout.aux_index].row_bytes)
+        log.info("%s: Mooncake TE (%s) at %s reads the rows of senders that offer it", self.name,
+                 r.mooncake_protocol, engine.session)
 
     def _setup_curve(self) -> None:
         """CURVE encryption and an allow-list of sender keys (pyzmq's zmq.auth), when configured."""
@@ -159,6 +176,10 @@ class Receiver(AgentBase):
         for _, plane in list(self.planes.values()):
             plane.close()
         self.planes.clear()
+        if self.reader is not None:  # its reads in flight write into the pool: they end first
+            self.reader.drop_queued()
+            await asyncio.get_running_loop().run_in_executor(None, self.reader.close)
+            self.reader = None
         for _, reader in list(self.streams_of.values()):
             reader.peer = None
             reader.close("the receiver stopped")
@@ -221,14 +242,37 @@ class Receiver(AgentBase):
         else:
             log.debug("%s: room %s/%d succeeded in %.3fs", self.name, room.req.group, room.req.room,
                       room.finished - room.created)
-        for fut in self._waiters.pop(room.tok, ()):
-            if not fut.done():
-                fut.set_result(None)
+        if self.reader is not None and self.reader.busy(room.tok):  # the engines hear once its reads settled
+            self.reader.after(room.tok, partial(self._wake, room.tok))
+        else:
+            self._wake(room.tok)
         # the senders hear of it right after the waiting engines' answers have gone out (their
         # tasks were woken first): the engine's latency does not include these sends
         told = Status(room.tok, room.req.room, new.state.value, new.code, new.reason)
         assert self.loop is not None
         self.loop.call_soon(self._tell_senders, list(room.assigned.values()), told)
+
+    def _wake(self, tok: int) -> None:
+        for fut in self._waiters.pop(tok, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    def room_tok(self, group: str, room_id: int) -> int:
+        """The room's transfer token (-1: no such room)."""
+        room = self.core.rooms.get((group, room_id))
+        return room.tok if room is not None else -1
+
+    def after_reads(self, tok: int, status: RoomStatus) -> RoomStatus | Awaitable[RoomStatus]:
+        """``status`` once the room's engine reads in flight have settled (abort and release are
+        barriers: after the answer, no byte of the room is written)."""
+        reader = self.reader
+        if reader is None or not reader.busy(tok):
+            return status
+
+        async def settled() -> RoomStatus:
+            await reader.settled(tok)
+            return status
+        return settled()
 
     def _tell_senders(self, idents: list[bytes], status: Status) -> None:
         for ident in idents:
@@ -258,10 +302,17 @@ class Receiver(AgentBase):
         adm = self.core.register(ident, msg, now)
         if adm is None:
             return
-        pool = self._same_host_pool(adm.same_host_pool, msg) if adm.same_host_pool else None
-        peer = self.core.admit(adm, now, same_host=pool is not None, stream_key=os.urandom(KEY_BYTES))
+        te = adm.te and self.reader is not None
+        pool = self._same_host_pool(adm.same_host_pool, msg) if adm.same_host_pool and not te else None
+        peer = self.core.admit(adm, now, same_host=pool is not None, stream_key=os.urandom(KEY_BYTES), te=te)
         if pool is not None:
             self.planes[id(peer)] = (peer, SameHostReceiver(pool))
+        elif te:
+            assert self.reader is not None
+            theirs = PoolLayout.from_wire(msg.layout).buffers  # it parsed in the core's checks; rows may differ
+            self.planes[id(peer)] = (peer, MooncakeReceiver(self.reader, self.data, msg.te_session, msg.te_addrs,
+                                                            [b.row_bytes for b in theirs], [b.rows for b in theirs],
+                                                            peer.label))
 
     def _same_host_pool(self, name: str, msg: Register) -> Pool | None:
         """The sender's pool, when it is reachable here and is the one it offered; otherwise the
@@ -298,15 +349,21 @@ class Receiver(AgentBase):
     def poll(self, group: str, room_id: int) -> RoomStatus:
         return self.core.room(group, room_id).status
 
-    def abort(self, group: str, room_id: int, reason: str = "") -> RoomStatus:
+    def abort(self, group: str, room_id: int, reason: str = "") -> RoomStatus | Awaitable[RoomStatus]:
+        """The room's status; while engine reads of it are in flight, an awaitable of it that
+        resolves once they settled (abort is a barrier: after the answer, nothing of the room
+        is written)."""
+        tok = self.room_tok(group, room_id)
         try:
-            return self.core.abort(group, room_id, reason, time.monotonic())
+            return self.after_reads(tok, self.core.abort(group, room_id, reason, time.monotonic()))
         finally:
             self.act()
 
-    def release(self, group: str, room_id: int) -> RoomStatus:
+    def release(self, group: str, room_id: int) -> RoomStatus | Awaitable[RoomStatus]:
+        """As :meth:`abort`: the answer comes once the room's engine reads settled."""
+        tok = self.room_tok(group, room_id)
         try:
-            return self.core.release(group, room_id, time.monotonic())
+            return self.after_reads(tok, self.core.release(group, room_id, time.monotonic()))
         finally:
             self.act()
 
@@ -329,6 +386,8 @@ class Receiver(AgentBase):
                     left.remove(fut)
                     if not left:
                         del self._waiters[room.tok]
+        elif self.reader is not None and self.reader.busy(room.tok):
+            await self.reader.settled(room.tok)  # it ended with engine reads in flight: after them
         return room.status
 
     def ping_info(self) -> dict[str, Any]:

@@ -31,9 +31,11 @@ class ReceiverApi(Protocol):
 
     async def wait(self, group: str, room: int, timeout_s: float, /) -> RoomStatus: ...
 
-    def abort(self, group: str, room: int, reason: str, /) -> RoomStatus: ...
+    def abort(self, group: str, room: int, reason: str, /) -> RoomStatus | Awaitable[RoomStatus]:
+        """The room's status, or (engine reads of it in flight) an awaitable of it that
+        resolves once they settled: abort is a barrier."""
 
-    def release(self, group: str, room: int, /) -> RoomStatus: ...
+    def release(self, group: str, room: int, /) -> RoomStatus | Awaitable[RoomStatus]: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -55,10 +57,10 @@ def handlers(agent: ReceiverApi) -> dict[type[Request], Handler]:
     def wait(r: ReceiverWait) -> Awaitable[RoomStatus]:  # the coroutine itself: the server awaits it
         return agent.wait(r.group, r.room, r.timeout_s)
 
-    def abort(r: ReceiverAbort) -> RoomStatus:
+    def abort(r: ReceiverAbort) -> RoomStatus | Awaitable[RoomStatus]:  # an awaitable: after its reads settled
         return agent.abort(r.group, r.room, r.reason)
 
-    def release(r: Release) -> RoomStatus:
+    def release(r: Release) -> RoomStatus | Awaitable[RoomStatus]:
         return agent.release(r.group, r.room)
 
     def stats(r: Stats) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from ..protocol.messages import Data, DataBatch, DataRef, DataRefs, Done, Fail, 
 from ..protocol.receiver_core import DecodeRoom, Peer
 from ..protocol.stream import hello_key
 from ..transport.data_stream import StreamReader, Target
-from ..transport.planes import ReceiverPlane, StreamReceiver, ZmqReceiver
+from ..transport.planes import MooncakeReceiver, ReceiverPlane, StreamReceiver, ZmqReceiver
 from ..types import Kind, PlaneName
 
 if TYPE_CHECKING:
@@ -106,11 +107,21 @@ class DataPath:
         elif isinstance(msg, Pong):
             pass  # last_seen is already updated
         elif isinstance(msg, Done):
-            core.done(peer, msg, now)
+            plane = self.rx.plane_of(peer)
+            if isinstance(plane, MooncakeReceiver) and plane.reader.busy(msg.tok):
+                # its rows are still being read: the core hears of it once they settled
+                plane.reader.after(msg.tok, partial(self._late_done, peer, msg))
+            else:
+                core.done(peer, msg, now)
         elif isinstance(msg, Fail):
             core.fail(peer, msg, now)
         else:
             self.rx.refuse("unexpected_type", f"{type(msg).__name__} is not sent to a receiver", ident)
+
+    def _late_done(self, peer: Peer, msg: Done) -> None:
+        """A ``done`` that waited for its room's engine reads to settle."""
+        self.core.done(peer, msg, time.monotonic())
+        self.flush()
 
     # -- one data message ----------------------------------------------------------------------
     def refs(self, peer: Peer, msg: DataRef | DataRefs, payload: Any, now: float) -> None:
@@ -118,9 +129,9 @@ class DataPath:
         if room is None:
             return
         plane = self.rx.plane_of(peer)
-        if plane is None or plane.name is not PlaneName.SAME_HOST:
-            self.core.reject(room, peer, "no_shm", f"data-ref rows of buffer {msg.buffer} but no same-host "
-                                                   "path was agreed", now)
+        if plane is None or plane.name not in (PlaneName.SAME_HOST, PlaneName.MOONCAKE):
+            self.core.reject(room, peer, "no_shm", f"data-ref rows of buffer {msg.buffer} but neither the "
+                                                   "same-host path nor Mooncake TE was agreed", now)
             return
         self._rows(room, peer, plane, msg, payload, now)
 
@@ -151,6 +162,8 @@ class DataPath:
             self.acct.shm_bytes += nbytes
         elif how is PlaneName.STREAM:
             self.acct.stream_bytes += nbytes
+        elif how is PlaneName.MOONCAKE:
+            self.acct.mooncake_bytes += nbytes
         self.core.landed(room, nbytes, now)
 
     # -- data streams (transport/data_stream.py calls these) ----------------------------------

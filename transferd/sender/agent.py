@@ -44,8 +44,8 @@ from ..protocol.sender_core import (
 )
 from ..transport.curve import load_keypair, load_public_key
 from ..transport.local_api import LocalApiServer
-from ..transport.planes import SendEnv
-from ..types import AutoOff, ConnState, SplitMode
+from ..transport.planes import MooncakeEngine, SendEnv, local_hostname
+from ..types import AutoOff, ConnState, DataPlane, SplitMode
 from . import api
 from .conn import Connections
 from .send import RoomSender
@@ -75,6 +75,8 @@ class SenderAgent(AgentBase):
         self.metrics_bind = s.metrics_bind
         self.metrics_port_offset = s.cp_rank
         self.drain_timeout_s = s.drain_timeout_s
+        self.engine: MooncakeEngine | None = None  # sender.data_plane = "mooncake": the pool registered with it
+        self.te_addrs: tuple[int, ...] = ()
         self.core = self._new_core()
         self.waiters: dict[int, list[asyncio.Future[None]]] = {}
         self.conns: Connections | None = None
@@ -85,7 +87,8 @@ class SenderAgent(AgentBase):
         register = Register(self.group, self.rank, self.cp_size, self.split.value, self.layout.fingerprint(),
                             self.layout.to_wire(), self.incarnation, os.getpid(), socket.gethostname(), 0, s.checksum,
                             host_boot_id(), pool.name if s.same_host == AutoOff.AUTO and pool else "",
-                            pool.pool_id if pool else 0, s.max_message_bytes, s.dedup, False)
+                            pool.pool_id if pool else 0, s.max_message_bytes, s.dedup, False,
+                            self.engine.session if self.engine else "", self.te_addrs)
         return SenderCore(self.layout, group=self.group, rank=self.rank, cp_size=self.cp_size, split=self.split,
                           dedup=s.dedup, heartbeat_interval_s=s.heartbeat_interval_s,
                           heartbeat_misses=s.heartbeat_misses, assign_timeout_s=s.assign_timeout_s,
@@ -98,7 +101,14 @@ class SenderAgent(AgentBase):
             self.pool, self._own_pool = Pool.open(self.cfg.sender_pool_name(), self.layout,
                                                   create=self.scfg.create_pool)
             self.layout = self.pool.layout
-        self.core = self._new_core()  # now with the pool's name, id and layout
+        if self.scfg.data_plane is DataPlane.MOONCAKE:
+            s = self.scfg
+            self.engine = MooncakeEngine(local_hostname(s.mooncake_hostname, s.receivers[0]), s.mooncake_protocol,
+                                         s.mooncake_device)
+            self.te_addrs = self.engine.register(self.pool.rows)
+            log.info("%s: Mooncake TE (%s) at %s offers this pool to receivers' reads", self.name,
+                     s.mooncake_protocol, self.engine.session)
+        self.core = self._new_core()  # now with the pool's name, id and layout (and engine)
         s, faults = self.scfg, self.cfg.faults
         env = SendEnv(self.layout, self.pool.rows, self.acct, s.max_message_bytes, s.shm_message_bytes,
                       checksum_function(s.checksum), faults, random.Random(faults.seed * 1000 + s.cp_rank))
@@ -149,6 +159,8 @@ class SenderAgent(AgentBase):
             self.api.close()
         if self.conns is not None:
             self.conns.close()
+        if self.engine is not None:  # receivers' reads of the pool fail from now on
+            self.engine.close()
         if self.pool is not None and self._own_pool:
             self.pool.unlink()  # the name goes now; the mapping stays until the context is gone
 

@@ -38,6 +38,9 @@ from .rooms import Room, mismatches, write_guard
 
 log = logging.getLogger(__name__)
 
+PATHS = ("zmq", "stream", "same_host", "mooncake")
+"""The data paths ``bytes_by_path`` names (docs/DATA-PLANES.md)."""
+
 
 @dataclass
 class DemoRoom(Room):
@@ -62,6 +65,9 @@ class Summary:
     state_bytes_skipped: int = 0
     same_host_bytes: int = 0
     stream_bytes: int = 0
+    mooncake_bytes: int = 0
+    bytes_by_path: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
+    """The senders' payload bytes by the path that moved them (``zmq``: the rest of ``wire_bytes``)."""
     expected_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     seconds: float = 0.0
     rooms_failed_by_reason: dict[str, int] = field(default_factory=dict)
@@ -89,6 +95,8 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
         "TRANSFERD_SENDER_SPLIT": base.sender.split,
         "TRANSFERD_SENDER_GROUP": base.sender.group,
         "TRANSFERD_SENDER_SAME_HOST": base.sender.same_host,
+        "TRANSFERD_SENDER_DATA_PLANE": base.sender.data_plane,
+        "TRANSFERD_RECEIVER_DATA_PLANE": base.receiver.data_plane,
         "TRANSFERD_RECEIVER_METRICS_BIND": "127.0.0.1:0",  # never collide with a running service
         "TRANSFERD_SENDER_METRICS_BIND": "127.0.0.1:0",
     })
@@ -104,6 +112,7 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
             env[setting] = str(f.arg)
         if f.kind == "corrupt-frames":
             env["TRANSFERD_SENDER_SAME_HOST"] = "off"  # corruption happens on the wire: keep the data there
+            env["TRANSFERD_SENDER_DATA_PLANE"] = "auto"  # (Mooncake TE reads carry no frames to corrupt)
             if base.sender.checksum == "none":  # corruption must be caught: turn the integrity option on
                 env["TRANSFERD_SENDER_CHECKSUM"] = "xxh3"
     return env
@@ -379,6 +388,9 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
             summary.state_bytes_skipped += st["state_bytes_skipped"]
             summary.same_host_bytes += st["shm_bytes"]
             summary.stream_bytes += st["stream_bytes"]
+            summary.mooncake_bytes += st["mooncake_bytes"]
+        summary.bytes_by_path = by_path(sum(summary.wire_bytes.values()), summary.same_host_bytes,
+                                        summary.stream_bytes, summary.mooncake_bytes)
     finally:
         bar.close()
         for t in timers:
@@ -445,6 +457,12 @@ def _mark(touched: list[np.ndarray], room: DemoRoom, layout: Any) -> None:
     touched[layout.aux_index][room.aux_dst] = True
 
 
+def by_path(total: int, same_host: int, stream: int, mooncake: int) -> dict[str, int]:
+    """Payload bytes by the path that moved them: ZeroMQ frames are what the others did not."""
+    return {"zmq": total - same_host - stream - mooncake, "stream": stream, "same_host": same_host,
+            "mooncake": mooncake}
+
+
 def _mb(x: int) -> str:
     return f"{x / 1e6:.2f} MB"
 
@@ -453,8 +471,9 @@ def _print_summary(s: Summary, ok: bool) -> None:
     total_wire = sum(s.wire_bytes.values())
     print(f"transferd demo: cp_size {s.cp_size}, split {s.split}: {s.rooms_ok} rooms ok, {s.rooms_failed} failed, "
           f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}")
-    over_zmq = total_wire - s.same_host_bytes - s.stream_bytes
-    via = "".join([f", {_mb(s.same_host_bytes)} of it by the same-host path" if s.same_host_bytes else "",
+    over_zmq = s.bytes_by_path["zmq"]
+    via = "".join([f", {_mb(s.mooncake_bytes)} of it by Mooncake TE reads" if s.mooncake_bytes else "",
+                   f", {_mb(s.same_host_bytes)} of it by the same-host path" if s.same_host_bytes else "",
                    f", {_mb(s.stream_bytes)} on data streams" if s.stream_bytes else "",
                    f", {_mb(over_zmq)} through ZeroMQ" if over_zmq else ""])
     print(f"  moved:    kv {_mb(s.wire_bytes['kv'])}, state {_mb(s.wire_bytes['state'])}, aux {_mb(s.wire_bytes['aux'])}"

@@ -94,6 +94,7 @@ class Fleet:
         self.verified_rooms = 0
         self.failed_rooms: Counter[str] = Counter()
         self.ok_rooms = 0
+        self.mooncake = False  # receivers also read with Mooncake TE (groups that ask for it use it)
         self._room = random.getrandbits(40) << 16
 
     def room_id(self) -> int:
@@ -121,6 +122,7 @@ class Fleet:
             "TRANSFERD_SENDER_KV_PAGES": str(tx[0]),
             "TRANSFERD_SENDER_STATE_SLOTS": str(tx[1]),
             "TRANSFERD_SENDER_AUX_SLOTS": str(tx[2]),
+            **({"TRANSFERD_RECEIVER_DATA_PLANE": "mooncake"} if self.mooncake else {}),
             **NO_METRICS,
         }
 
@@ -150,9 +152,11 @@ class Fleet:
                                 deadline)
 
     def group(self, c: Cluster, name: str, cp: int, same_host: bool = False, dedup: bool = True,
-              stream: bool = True) -> Group:
-        """Start the ``cp`` sender daemons of a group feeding ``c`` (over TCP loopback unless asked)."""
+              stream: bool = True, mooncake: bool = False) -> Group:
+        """Start the ``cp`` sender daemons of a group feeding ``c`` (over TCP loopback unless asked;
+        ``mooncake``: the receiver reads the rows with Mooncake TE)."""
         env = {**c.env, "TRANSFERD_SENDER_GROUP": name, "TRANSFERD_SENDER_CP_SIZE": str(cp),
+               "TRANSFERD_SENDER_DATA_PLANE": "mooncake" if mooncake else "auto",
                "TRANSFERD_SENDER_DEDUP": "true" if dedup else "false",
                "TRANSFERD_SENDER_DATA_STREAM": "auto" if stream else "off",
                "TRANSFERD_SENDER_SAME_HOST": "auto" if same_host else "off"}  # TCP loopback unless asked

@@ -144,7 +144,7 @@ def _same_host(f: Figures, bulk: dict[str, Any]) -> dict[str, Any]:
 def _small(f: Figures, b: Bench) -> dict[str, Any]:
     small: dict[str, Any] = {}
     for cp in SMALL_CPS:
-        lat = np.asarray(b.latencies[cp]) * 1e3
+        lat = np.asarray(b.latencies.get(f"ds{cp}", [])) * 1e3
         small[f"cp{cp}"] = {
             "cp_size": cp,
             "p50_ms": rnd(float(np.percentile(lat, 50)), 3) if lat.size else None,
@@ -269,6 +269,9 @@ def _peers(f: Figures, b: Bench) -> dict[str, Any]:
             "twice_mooncake_vs_raw_tcp_by_size": {key: rnd(2 * r, 3) if (r := f.paired(f"mooncake/{key}",
                                                                                        f"raw_tcp/{key}")) else None
                                                   for key in SIZES},
+            "mooncake_tcp_cpu_s_per_gb_by_size": {
+                key: {side: rnd(f.med(f"mooncake/{key}", f"{side}_cpu_s_per_gb"), 3) for side in ("initiator", "target")}
+                for key in SIZES},
             "mooncake_tcp_mismatched_bytes": mooncake.mismatched}
 
 
@@ -298,6 +301,57 @@ def _sglang_room(f: Figures, b: Bench) -> dict[str, Any]:
             "client_ms": rnd(1e3 * (f.med("e2e_client/sglang", "seconds") or 0), 2),
             "mismatched_bytes": sgl.mismatched if sgl is not None else 0,
             "rooms_failed": sgl.rooms_failed if sgl is not None else 0}
+MOONCAKE_PLANE_NOTE = ("the same bulk rooms from a sender with data_plane = \"mooncake\" into the same receiver: "
+                       "data-refs over ZeroMQ, the receiver reading the rows with its Mooncake Transfer Engine "
+                       "(TCP transport, P2P handshake) straight into the destination rows; vs_mooncake_tcp: paired "
+                       "per round with Mooncake's raw TCP transport moving the same bytes in messages of the rows' "
+                       "size (the raw peer writes, the plane reads: both one TCP stream through the engine); "
+                       "mooncake_share 1.0 = every byte went that way")
+
+
+def _mooncake_plane(f: Figures, b: Bench, ratios: dict[str, Any], targets: dict[str, Any]) -> dict[str, Any]:
+    """transferd over Mooncake TE beside raw Mooncake TE (when the peer is measured)."""
+    plane: dict[str, Any] = {"note": MOONCAKE_PLANE_NOTE}
+    for key in BULK_KEYS:
+        name = f"bulk_mc/{key}"
+        plane[key] = {
+            "gbps": rnd(f.med(name, "gbps"), 3), "rounds": f.rounds(name),
+            "vs_mooncake_tcp": rnd(f.paired(name, f"mooncake/{_msg_key(key)}"), 3),
+            "vs_transferd_tcp": rnd(f.paired(name, f"bulk/{key}"), 3),
+            "vs_raw_tcp": rnd(f.paired(name, f"raw_tcp/{_msg_key(key)}"), 3),
+            "receiver_cpu_s_per_gb": rnd(f.med(name, "receiver_cpu_s_per_gb"), 3),
+            "sender_cpu_s_per_gb": rnd(f.med(name, "sender_cpu_s_per_gb"), 3),
+            "mooncake_share": rnd(f.med(name, "mooncake_share"), 4),
+        }
+    lat = np.asarray(b.latencies.get("dsmc1", [])) * 1e3
+    plane["small_cp1"] = {
+        "p50_ms": rnd(float(np.percentile(lat, 50)), 3) if lat.size else None,
+        "p99_ms": rnd(float(np.percentile(lat, 99)), 3) if lat.size else None,
+        "latency_samples": int(lat.size),
+        "rooms_per_s": rnd(f.med("small_mc/1", "rooms_per_s"), 1),
+        "rooms_per_s_rounds": f.rounds("small_mc/1", "rooms_per_s", 1),
+        "vs_transferd_tcp_rooms_per_s": rnd(f.paired("small_mc/1", "small/1", "rooms_per_s", "rooms_per_s"), 3),
+    }
+    v = plane["1MiB"]["vs_mooncake_tcp"]
+    ratios["mooncake_plane_vs_mooncake_tcp"] = v
+    ratios["notes"]["mooncake_plane_vs_mooncake_tcp"] = ("transferd bulk rooms of 1 MiB rows over its Mooncake plane vs "
+                                                         "Mooncake TE's raw TCP transport on the same bytes")
+    targets[">= 0.95x mooncake tcp (mooncake plane)"] = {
+        "value": v, "met": met(v, TARGETS["mooncake_plane_vs_mooncake_tcp"], True)}
+    return plane
+
+
+def _bytes_by_path(b: Bench) -> dict[str, int]:
+    """Payload bytes the run's senders moved, by path (``zmq``: what no other path moved)."""
+    total = shm = stream = mc = 0
+    for c in b.fleet.clusters.values():
+        for g in c.groups.values():
+            for pc in g.pcs:
+                s = pc.stats()
+                total += sum(int(v) for v in s["bytes"].values())
+                shm, stream = shm + int(s["shm_bytes"]), stream + int(s["stream_bytes"])
+                mc += int(s.get("mooncake_bytes", 0))
+    return {"zmq": total - shm - stream - mc, "stream": stream, "same_host": shm, "mooncake": mc}
 
 
 def report(b: Bench) -> dict[str, Any]:
@@ -312,14 +366,16 @@ def report(b: Bench) -> dict[str, Any]:
     dedup = _dedup(f, b)
     ratios = _ratios(by_size, same_host["1MiB"]["vs_memcpy"])
     targets = _targets(ratios, small, dedup)
+    plane: dict[str, Any] = {"available": False}
     if b.limits.mooncake is not None:
         _mooncake_target(f, ratios, targets)
+        plane = {"available": True, **_mooncake_plane(f, b, ratios, targets)}
     fleet = b.fleet
     return {
         "bench_version": BENCH_VERSION, "quick": b.quick, "repeats": b.plan.repeats,
         "target_repeats": b.plan.target_repeats,
         "host": host(), "limits": limits, "bulk": bulk,
-        "same_host": same_host,
+        "same_host": same_host, "mooncake_plane": plane, "bytes_by_path": _bytes_by_path(b),
         "small_rooms": small, "dedup": dedup, "ratios": ratios, "targets": targets,
         "peers": _peers(f, b), "sglang_staging": _staging(f, b),
         "sglang_room": _sglang_room(f, b), "notes": b.notes,
@@ -408,6 +464,19 @@ def format_table(out: dict[str, Any]) -> str:
                      f"({_f(sg['client_ms'])} ms): {_f(sg['backend_vs_client'])} × the client")
     else:
         lines.append(f"SGLang backend rooms: — ({sg.get('note', 'not measured')})")
+    mp = out.get("mooncake_plane", {})
+    if mp.get("available"):
+        lines.append("transferd over Mooncake TE GB/s".ljust(34) + "".join(_f(mp[k]["gbps"]).rjust(w) for k in keys))
+        lines.append("  × raw Mooncake TE tcp".ljust(34) + "".join(_f(mp[k]["vs_mooncake_tcp"]).rjust(w) for k in keys))
+        lines.append("  × transferd tcp".ljust(34) + "".join(_f(mp[k]["vs_transferd_tcp"]).rjust(w) for k in keys))
+        lines.append("  receiver CPU s/GB".ljust(34) + "".join(_f(mp[k]["receiver_cpu_s_per_gb"]).rjust(w)
+                                                            for k in keys))
+        sm = mp["small_cp1"]
+        lines.append(f"transferd over Mooncake TE, small rooms cp 1: p50 {_f(sm['p50_ms'], '{:.3f}')} ms, "
+                     f"{_f(sm['rooms_per_s'], '{:.0f}')} rooms/s ({_f(sm['vs_transferd_tcp_rooms_per_s'])} × tcp)")
+    bp = out.get("bytes_by_path")
+    if bp:
+        lines.append("bytes by path (MB): " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in bp.items()))
     lines.append("")
     sr = out["small_rooms"]
     lines.append(f"small rooms (1 page of {sr['room']['kv_bytes'] // 1024} KiB over {sr['room']['messages_per_room_rank0'] - 1} "

@@ -18,7 +18,7 @@ from typing import Any
 
 from ...config import Config
 from ...errors import ConfigError
-from .plan import FULL, QUICK, SIZES, dedup_config_path
+from .plan import BULK_KEYS, FULL, QUICK, SIZES, dedup_config_path
 from .report import format_table, plot, report
 from .subjects import Bench
 
@@ -57,6 +57,7 @@ def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_pa
         names = [n for n, _ in bench.subjects()] + [f"mooncake/{k}" for k in SIZES]  # mooncake: when importable
         names += ["staging_gather/1MiB", "staging_scatter/1MiB"]  # the SGLang backend's copies: when torch is
         names += ["e2e_backend/sglang", "e2e_client/sglang"]  # a room through the SGLang backend: when SGLang is
+        names += [f"bulk_mc/{k}" for k in BULK_KEYS] + ["small_mc/1"]
         bench.only = [g.strip() for g in only.split(",") if g.strip()]
         unmatched = [g for g in bench.only if not any(fnmatch.fnmatchcase(n, g) for n in names)]
         if unmatched:

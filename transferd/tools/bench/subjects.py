@@ -49,7 +49,7 @@ class Bench:
         self.bulk: dict[str, Cluster] = {}
         self.ds: Cluster | None = None
         self.results: dict[str, list[dict[str, Any]]] = {}
-        self.latencies: dict[int, list[float]] = {cp: [] for cp in SMALL_CPS}
+        self.latencies: dict[str, list[float]] = {}  # small rooms' group -> expect → Success, seconds
         self.notes: dict[str, str] = {}
         self.codes: dict[str, int | None] = {}
         self.only: list[str] = []  # subject globs (--only); empty: all
@@ -69,6 +69,7 @@ class Bench:
             self.staging = StagingBench(p.bulk_room_bytes * 2, self.tag)
         else:
             self.notes["sglang_staging"] = "torch is not installed (pip install -e '.[sglang]')"
+        fleet.mooncake = self.limits.mooncake is not None  # the Mooncake plane beside the raw peer
         # receivers first (their addresses are picked by the kernel), then every sender at once
         for key in ("64KiB", "256KiB", "1MiB"):
             pages = p.bulk_room_bytes // (BULK_LAYERS * SIZES[key])
@@ -85,6 +86,8 @@ class Bench:
             fleet.group(c, f"b{c.name[4:]}", 1)
             fleet.group(c, f"s{c.name[4:]}", 1, same_host=True)
             fleet.group(c, f"z{c.name[4:]}", 1, stream=False)  # TCP through the ZeroMQ socket only
+            if fleet.mooncake:
+                fleet.group(c, f"m{c.name[4:]}", 1, mooncake=True)  # read by the receiver's Mooncake TE
         if sglang_available():  # a fourth group of the 1 MiB cluster: the rooms through the SGLang backend
             fleet.group(self.bulk["1MiB"], "g1mib", 1)
         else:
@@ -93,6 +96,8 @@ class Bench:
             fleet.group(ds, f"ds{cp}", cp)
         for cp in DEDUP_CPS[1:]:  # the same groups with the de-dup off: every rank ships the state
             fleet.group(ds, f"dsoff{cp}", cp, dedup=False)
+        if fleet.mooncake:
+            fleet.group(ds, "dsmc1", 1, mooncake=True)  # small rooms over Mooncake TE
         self.limits.fill()  # meanwhile
         groups = [g for c in fleet.clusters.values() for g in c.groups.values()]
         for g in groups:
@@ -150,12 +155,13 @@ class Bench:
     # -- subjects ------------------------------------------------------------------------
     def bulk_room(self, key: str, path: str = "tcp") -> dict[str, Any]:
         """Bulk rooms of one sender: ``tcp`` (the default path between hosts: a data stream),
-        ``shm`` (the same-host path) or ``zmq`` (TCP through the ZeroMQ socket, no data stream)."""
+        ``shm`` (the same-host path), ``zmq`` (TCP through the ZeroMQ socket, no data stream) or
+        ``mooncake`` (read by the receiver's Mooncake TE over its TCP transport)."""
         fleet = self.fleet
         contig = key.endswith("_contig")
         c = self.bulk[key.split("_")[0]]
         assert c.dc is not None and c.rx is not None
-        g = list(c.groups.values())[("tcp", "shm", "zmq").index(path)]
+        g = c.groups[{"tcp": "b", "shm": "s", "zmq": "z", "mooncake": "m"}[path] + c.name[4:]]
         pc, sp = g.pcs[0], g.pools[0]
         P, R = c.pages, self.plan.bulk_rooms
         rooms: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -172,7 +178,7 @@ class Bench:
             rooms.append((room, src, dst))
         fleet.poison(c, rooms[0][2], {}, 0)
         s0 = pc.stats()
-        shm0, stream0 = int(s0.get("shm_bytes", 0)), int(s0.get("stream_bytes", 0))
+        shm0, stream0, mc0 = (int(s0.get(k, 0)) for k in ("shm_bytes", "stream_bytes", "mooncake_bytes"))
         cpu0 = [cpu_seconds(c.rx.proc.pid), cpu_seconds(g.procs[0].proc.pid)]
         expects = [{"room": room, "group": g.name, "dst_pages": dst.tolist(), "aux_slot": j}
                    for j, (room, _, dst) in enumerate(rooms)]
@@ -185,12 +191,14 @@ class Bench:
         cpu1 = [cpu_seconds(c.rx.proc.pid), cpu_seconds(g.procs[0].proc.pid)]
         s1 = pc.stats()
         shm, stream = int(s1.get("shm_bytes", 0)) - shm0, int(s1.get("stream_bytes", 0)) - stream0
+        mc = int(s1.get("mooncake_bytes", 0)) - mc0
         _room0, src0, dst0 = rooms[0]
         fleet.verify(c, g, dst0, [src0], {}, {}, 0, 0)
         fleet.release(c, [(g.name, room) for room, _, _ in rooms])
         nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
         out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
-                               "shm_share": shm / nbytes, "stream_share": stream / nbytes}
+                               "shm_share": shm / nbytes, "stream_share": stream / nbytes,
+                               "mooncake_share": mc / nbytes}
         if None not in cpu0 and None not in cpu1:
             gb = nbytes / 1e9
             out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
@@ -233,11 +241,12 @@ class Bench:
         return {"seconds": dt / R if ok == R else None, "wire": after[0] - before[0], "skipped": after[1] - before[1],
                 "rooms": R}
 
-    def small(self, cp: int) -> dict[str, Any]:
-        """One-page rooms with the aux row: latency one at a time, then rooms/s with many in flight."""
+    def small(self, cp: int, prefix: str = "ds") -> dict[str, Any]:
+        """One-page rooms with the aux row: latency one at a time, then rooms/s with many in flight
+        (``prefix`` "dsmc": from the group the receiver reads with Mooncake TE)."""
         fleet, c = self.fleet, self.ds
         assert c is not None and c.dc is not None
-        g = c.groups[f"ds{cp}"]
+        g = c.groups[f"{prefix}{cp}"]
         p = self.plan
         K = p.small_batch_rooms
         base = self.plan.dedup_rooms * c.cfg.demo.pages_per_room  # small rooms' pages follow the de-dup rooms'
@@ -285,7 +294,7 @@ class Bench:
                 fleet.failed_rooms[st.code or st.state.value] += 1
                 log.error("bench: small room %d of %s ended %s: %s", room, g.name, st.state.value, st.reason)
             c.dc.release(room, g.name)
-        self.latencies[cp] += lat
+        self.latencies.setdefault(g.name, []).extend(lat)
         # throughput: K rooms in flight, the engines batching their calls (submit_many,
         # expect_many, wait_many: one round trip each instead of one per room)
         rooms = [fleet.room_id() for _ in range(K)]
@@ -331,6 +340,9 @@ class Bench:
         if lim.mooncake is not None:
             for key in SIZES:
                 out.append((f"mooncake/{key}", partial(self.mooncake_tcp, key)))
+            for key in BULK_KEYS:  # transferd's Mooncake plane on the same bytes as the raw peer
+                out.append((f"bulk_mc/{key}", partial(self.bulk_room, key, "mooncake")))
+            out.append(("small_mc/1", partial(self.small, 1, "dsmc")))
         if self.staging is not None:
             out.append(("staging_gather/1MiB", self.staging.gather))
             out.append(("staging_scatter/1MiB", self.staging.scatter))
@@ -356,7 +368,7 @@ class Bench:
                 bar.set_postfix_str(f"warm-up {name}", refresh=False)
                 fn()
                 bar.update(1)
-            self.latencies = {cp: [] for cp in SMALL_CPS}
+            self.latencies = {}
             for k, names in enumerate(rounds):
                 for name in names:
                     bar.set_postfix_str(f"round {k + 1}/{len(rounds)} {name}", refresh=False)

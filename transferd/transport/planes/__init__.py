@@ -1,8 +1,9 @@
 """The data planes: how a room's rows move once a core decided they may.
 
 Each plane is one module with its sender-side class and, beside it, its receiver side. A
-connection's plane is chosen when it registers — the same-host path when the receiver mapped
-the sender's pool, the data stream when one was offered and may be used, ZeroMQ frames
+connection's plane is chosen when it registers — Mooncake Transfer Engine reads when both sides
+set ``data_plane = "mooncake"``, the same-host path when the receiver mapped the sender's pool,
+the data stream when one was offered and may be used, ZeroMQ frames
 otherwise — and built from :data:`SENDER_PLANES`. A new plane is one module implementing
 :class:`~.sending.SenderPlane` and :class:`~.receiving.ReceiverPlane`, a
 :class:`~transferd.types.PlaneName`, an entry in both tables here, and its configuration
@@ -12,6 +13,7 @@ otherwise — and built from :data:`SENDER_PLANES`. A new plane is one module im
 from __future__ import annotations
 
 from ...types import PlaneName
+from .mooncake import MooncakeEngine, MooncakeReceiver, MooncakeSender, Reader, local_hostname
 from .receiving import PayloadReceiver, ReceiverPlane
 from .same_host import SameHostReceiver, SameHostSender
 from .sending import ConnPipes, RoomTx, SendEnv, SenderPlane, SenderPlaneFactory
@@ -22,6 +24,7 @@ SENDER_PLANES: dict[PlaneName, SenderPlaneFactory] = {
     PlaneName.ZMQ: ZmqSender,
     PlaneName.STREAM: StreamSender,
     PlaneName.SAME_HOST: SameHostSender,
+    PlaneName.MOONCAKE: MooncakeSender,
 }
 
 
@@ -29,9 +32,11 @@ RECEIVER_PLANES: dict[PlaneName, type] = {
     PlaneName.ZMQ: ZmqReceiver,
     PlaneName.STREAM: StreamReceiver,
     PlaneName.SAME_HOST: SameHostReceiver,
+    PlaneName.MOONCAKE: MooncakeReceiver,
 }
 """The receiver side of each plane: ZeroMQ and stream take the layout's row sizes, the same-host
-plane the sender's pool mapped at registration."""
+plane the sender's pool mapped at registration, the Mooncake plane the receiver's engine reader and
+the sender's session and buffer addresses."""
 
 
 def sender_plane(name: PlaneName, env: SendEnv, pipes: ConnPipes) -> SenderPlane:
@@ -39,5 +44,6 @@ def sender_plane(name: PlaneName, env: SendEnv, pipes: ConnPipes) -> SenderPlane
     return SENDER_PLANES[name](env, pipes)
 
 
-__all__ = ["RECEIVER_PLANES", "SENDER_PLANES", "ConnPipes", "PayloadReceiver", "ReceiverPlane", "RoomTx", "RowSink",
-           "SameHostReceiver", "SendEnv", "SenderPlane", "StreamReceiver", "ZmqReceiver", "sender_plane"]
+__all__ = ["RECEIVER_PLANES", "SENDER_PLANES", "ConnPipes", "MooncakeEngine", "MooncakeReceiver", "PayloadReceiver",
+           "Reader", "ReceiverPlane", "RoomTx", "RowSink", "SameHostReceiver", "SendEnv", "SenderPlane",
+           "StreamReceiver", "ZmqReceiver", "local_hostname", "sender_plane"]

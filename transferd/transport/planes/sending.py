@@ -65,6 +65,7 @@ class SendCounters(Protocol):
     dropped: Counter[str]
     shm_bytes: int
     stream_bytes: int
+    mooncake_bytes: int
 
     def add(self, kind: str, nbytes: int) -> None: ...
 

@@ -1,0 +1,451 @@
+"""The Mooncake plane: the receiver reads the rows out of the sender's pool with Mooncake
+Transfer Engine (TCP here, RDMA on clusters), after its checks (docs/DATA-PLANES.md,
+docs/PROTOCOL.md §5 and "Mooncake Transfer Engine").
+
+Both sides register their pool's buffers with their own engine. ``register`` carries the
+sender's engine session id and the address of each buffer; ``registered.te`` says the receiver
+will read. Then the sender sends exactly what the same-host path sends — data-refs messages
+naming the source rows of each run, then ``done`` on its ZeroMQ socket — and the receiver pulls:
+
+* **The receiver decides what is written.** A data-refs message passes the core's room checks,
+  its rows are checked against the sender's buffer, its destination rows claimed by the core
+  (the plan, duplicates), and only then read by the engine straight into those rows. The aux
+  row is read into a registered staging row first; its room guard is checked there and it goes
+  the ZeroMQ payload's way (``DataPath.data``) from there.
+* **Bounded.** All reads go through one :class:`Reader` per receiver: batches of at most
+  ``receiver.mooncake_batch_entries`` (runs consecutive on both sides are one entry; queued
+  reads of one sender share a batch up to that many) and at most
+  ``receiver.mooncake_reads_in_flight`` batches at once, so the engine's queue never holds more
+  than 2,048 entries (its TCP transport rejects a whole batch once its queue is full).
+* **Abort is a barrier.** A batch waiting in the queue is dropped once its room is terminal (no
+  new read); ``Reader.settled`` resolves when the room's reads in flight have finished, and the
+  receiver answers abort, release and wait only then. A ``done`` that arrives while reads of its
+  room are in flight is handed to the core after they settle (``Reader.after``).
+* **Honest.** A read the engine fails (or times out: ``MC_TRANSFER_TIMEOUT``) fails the room
+  with ``transport_error``, naming the peer and the engine's return code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+
+from ...errors import ConfigError, FailureCode, TransferdError
+from ...protocol.messages import DataRef, DataRefs
+from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
+from ...protocol.room import runs
+from ...types import Kind, PlaneName
+from .same_host import SameHostSender
+
+log = logging.getLogger(__name__)
+
+STAGING_ROWS = 64  # aux rows read at once (each into a registered staging row)
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+class MooncakeEngine:
+    """One Mooncake Transfer Engine (P2P handshake, no metadata server) and the pool buffers
+    registered with it."""
+
+    def __init__(self, hostname: str, protocol: str, device: str) -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines: several per peer; set it to see them
+        try:
+            engine_mod: Any = importlib.import_module("mooncake.engine")
+        except ImportError as exc:
+            raise ConfigError(f"data_plane = \"mooncake\" needs Mooncake Transfer Engine: pip install "
+                              f"'transferd[mooncake]' (and Debian's libibverbs1): {exc}") from exc
+        self.te = engine_mod.TransferEngine()
+        rc = self.te.initialize(hostname, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise TransferdError(f"Mooncake TransferEngine.initialize({hostname!r}, \"P2PHANDSHAKE\", {protocol!r}, "
+                                 f"{device!r}) returned {rc}")
+        self.session = f"{hostname}:{self.te.get_rpc_port()}"
+        self._registered: list[int] = []
+
+    def register(self, buffers: Sequence[np.ndarray]) -> tuple[int, ...]:
+        """Register each buffer (every one that has bytes); the address of each one's first row."""
+        addrs = tuple(int(b.ctypes.data) for b in buffers)
+        for addr, b in zip(addrs, buffers):
+            if b.nbytes:
+                rc = self.te.register_memory(addr, b.nbytes)
+                if rc != 0:
+                    raise TransferdError(f"Mooncake register_memory of {b.nbytes} bytes at {addr:#x} returned {rc}")
+                self._registered.append(addr)
+        return addrs
+
+    def read(self, session: str, local: list[int], remote: list[int], lens: list[int]) -> int:
+        """One batch of reads from ``session`` (blocking, the GIL released): 0 or the engine's
+        negative return code."""
+        return int(self.te.batch_transfer_sync_read(session, local, remote, lens))
+
+    def close(self) -> None:
+        """Unregister the buffers (a peer's read of them fails from now on)."""
+        for addr in self._registered:
+            self.te.unregister_memory(addr)
+        self._registered.clear()
+
+
+def local_hostname(configured: str, peer_endpoint: str) -> str:
+    """The address peers reach this engine at: ``configured``, else the address of the local
+    interface that routes to ``peer_endpoint``'s host (``tcp://host:port``)."""
+    if configured:
+        return configured
+    host = peer_endpoint.rpartition("://")[2].rpartition(":")[0].strip("[]")
+    if host in ("", "*", "0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet leaves: this only asks the routing table
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+# -- sender side -------------------------------------------------------------------------------
+
+class MooncakeSender(SameHostSender):
+    """Data-refs (the same-host plane's messages); the receiver reads the rows they name with
+    its engine. ``done`` follows them on the ZeroMQ socket."""
+
+    name = PlaneName.MOONCAKE
+
+    def _count(self, nbytes: int) -> None:
+        self.env.counters.mooncake_bytes += nbytes
+
+
+# -- receiver side -----------------------------------------------------------------------------
+
+class ReadSink(Protocol):
+    """What the Mooncake plane needs of the receiver's data path."""
+
+    core: ReceiverCore
+
+    def data(self, peer: Peer, plane: Any, msg: Any, payload: Any, now: float) -> None: ...
+
+    def landed(self, room: DecodeRoom, how: PlaneName, buffer: int, nbytes: int, now: float) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    """One engine batch: reads of one room from one session."""
+
+    tok: int
+    session: str
+    local: list[int]
+    remote: list[int]
+    lens: list[int]
+    alive: Callable[[], bool]  # asked before the read starts: False drops it (the room ended)
+    done: Callable[[int | None, int], None]  # (engine rc, or None: dropped unread; staging row)
+    staging: bool = False  # reads into a staging row (taken when it starts, given back after done)
+
+
+@dataclass(slots=True, eq=False)
+class Reader:
+    """Every engine read of a receiver: a bounded queue, ``in_flight`` batches at once on worker
+    threads (the engine releases the GIL), results back on the event loop."""
+
+    engine: MooncakeEngine
+    batch_entries: int
+    in_flight: int
+    staging_row_bytes: int
+    running: int = 0
+    queue: deque[_Job] = field(default_factory=deque)
+    pending: dict[int, int] = field(default_factory=dict)  # room token -> batches queued or running
+    waiters: dict[int, list[Callable[[], None]]] = field(default_factory=dict)
+    staging: np.ndarray = field(init=False)
+    free_rows: list[int] = field(init=False)
+    executor: ThreadPoolExecutor = field(init=False)
+    reads: int = 0  # batches the engine ran
+    failed: int = 0  # of those, the ones it failed
+
+    def __post_init__(self) -> None:
+        self.executor = ThreadPoolExecutor(self.in_flight, thread_name_prefix="mooncake-read")
+        self.staging = np.zeros((STAGING_ROWS, max(self.staging_row_bytes, 8)), np.uint8)
+        self.engine.register([self.staging])
+        self.free_rows = list(range(STAGING_ROWS))
+
+    def submit(self, job: _Job) -> None:
+        self.pending[job.tok] = self.pending.get(job.tok, 0) + 1
+        self.queue.append(job)
+        self._pump()
+
+    def busy(self, tok: int) -> bool:
+        return tok in self.pending
+
+    def after(self, tok: int, fn: Callable[[], None]) -> None:
+        """``fn()`` once the room's reads have settled (now, when none is queued or running)."""
+        if tok in self.pending:
+            self.waiters.setdefault(tok, []).append(fn)
+        else:
+            fn()
+
+    async def settled(self, tok: int) -> None:
+        """Until the room's reads have settled (read, failed, or dropped unread)."""
+        if tok in self.pending:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.after(tok, partial(_settle_future, fut))
+            await fut
+
+    def _pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.running < self.in_flight and self.queue:
+            batch = self._take()
+            if not batch:
+                return  # a staging row comes back when a running aux read finishes
+            local: list[int] = []
+            remote: list[int] = []
+            lens: list[int] = []
+            for job, _ in batch:
+                local += job.local
+                remote += job.remote
+                lens += job.lens
+            self.running += 1
+            fut = self.executor.submit(self.engine.read, batch[0][0].session, local, remote, lens)
+            fut.add_done_callback(partial(_back_on_loop, loop, self._finished, batch))
+
+    def _take(self) -> list[tuple[_Job, int]]:
+        """The next engine batch: queued jobs of one session, in order, as many as fit in
+        ``batch_entries`` (small rooms' runs share a batch); a job of a room that ended is
+        dropped unread on the way (the barrier); an aux job takes a staging row."""
+        batch: list[tuple[_Job, int]] = []
+        entries = 0
+        while self.queue:
+            job = self.queue[0]
+            if not job.alive():  # the barrier: no new read for a room that ended
+                self.queue.popleft()
+                job.done(None, -1)
+                self._settle(job.tok)
+                continue
+            if batch and (job.session != batch[0][0].session or entries + len(job.lens) > self.batch_entries):
+                break
+            row = -1
+            if job.staging:
+                if not self.free_rows:
+                    break
+                row = self.free_rows.pop()
+                job.local = [int(self.staging[row].ctypes.data)]
+            self.queue.popleft()
+            batch.append((job, row))
+            entries += len(job.lens)
+        return batch
+
+    def _finished(self, batch: list[tuple[_Job, int]], fut: Future[int]) -> None:
+        self.running -= 1
+        self.reads += 1
+        try:
+            rc = fut.result()
+        except Exception as exc:  # the binding raised: report it as the engine's failure
+            log.error("Mooncake read from %s raised %r", batch[0][0].session, exc)
+            rc = -1
+        if rc != 0:
+            self.failed += 1
+        try:
+            for job, row in batch:  # one engine batch: one outcome for every job in it
+                try:
+                    job.done(rc, row)
+                finally:
+                    if row >= 0:
+                        self.free_rows.append(row)
+                    self._settle(job.tok)
+        finally:
+            self._pump()
+
+    def _settle(self, tok: int) -> None:
+        left = self.pending[tok] - 1
+        if left:
+            self.pending[tok] = left
+            return
+        del self.pending[tok]
+        for fn in self.waiters.pop(tok, ()):
+            fn()
+
+    def drop_queued(self) -> None:
+        """The receiver stops: no read starts any more (on the loop)."""
+        while self.queue:
+            job = self.queue.popleft()
+            job.done(None, -1)
+            self._settle(job.tok)
+
+    def close(self) -> None:
+        """Wait for the reads in flight (they write into the pool), then release the engine's
+        memory (blocking: in a worker thread, after :meth:`drop_queued`)."""
+        self.executor.shutdown(wait=True)
+        self.engine.close()
+
+
+def _settle_future(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _back_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[list[tuple[_Job, int]], Future[int]], None],
+                  batch: list[tuple[_Job, int]], fut: Future[int]) -> None:
+    loop.call_soon_threadsafe(fn, batch, fut)
+
+
+def _live(room: DecodeRoom) -> bool:
+    return not room.status.state.terminal
+
+
+@dataclass(slots=True, eq=False)
+class _Refs:
+    """What ``source`` checked: the room, the peer and the source rows of one message."""
+
+    room: DecodeRoom
+    peer: Peer
+    rows: np.ndarray
+
+
+class _Staged:
+    """The aux row, read into a staging row: it continues as a ZeroMQ payload would (the
+    room's checks again, the guard, the claim, one copy), counted as the Mooncake plane's."""
+
+    name = PlaneName.MOONCAKE
+
+    def __init__(self, row_bytes: list[int]) -> None:
+        self._row_bytes = row_bytes
+
+    def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: Any, payload: Any,
+               now: float) -> Any | None:
+        return payload  # its length is the message's rows by construction
+
+    def first_row(self, msg: Any, src: Any) -> Any:
+        return src
+
+    def write(self, msg: Any, dst: np.ndarray, first: int, rows: np.ndarray | None, src: Any) -> bool:
+        data = np.frombuffer(src, dtype=np.uint8).reshape(msg.count, self._row_bytes[msg.buffer])
+        if rows is None:
+            dst[first:first + msg.count] = data
+        else:
+            dst[rows] = data
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class MooncakeReceiver:
+    """One peer's rows, read out of its pool by this receiver's engine."""
+
+    name = PlaneName.MOONCAKE
+
+    def __init__(self, reader: Reader, sink: ReadSink, session: str, addrs: tuple[int, ...],
+                 row_bytes: list[int], n_rows: list[int], label: str) -> None:
+        self.reader = reader
+        self.sink = sink
+        self.session = session
+        self.addrs = addrs
+        self.row_bytes = row_bytes
+        self.n_rows = n_rows
+        self.label = label
+        self.staged = _Staged(row_bytes)
+
+    def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, payload: Any,
+               now: float) -> _Refs | None:
+        n_src = self.n_rows[msg.buffer]
+        if isinstance(msg, DataRefs):
+            if len(payload) != msg.count * 8:
+                core.reject(room, peer, FailureCode.LENGTH_MISMATCH, f"data-refs list of {len(payload)} bytes for "
+                                                                     f"{msg.count} rows (8 bytes each)", now)
+                return None
+            src_rows = np.frombuffer(payload, dtype="<i8")
+            lo, hi = int(src_rows.min()), int(src_rows.max()) + 1
+        else:
+            lo, hi = msg.src_row, msg.src_row + msg.count
+            src_rows = np.arange(lo, hi, dtype=np.int64)
+        if lo < 0 or hi > n_src:
+            core.reject(room, peer, FailureCode.INDEX_OUT_OF_RANGE, f"data-ref rows [{lo}, {hi}) of buffer "
+                                                                    f"{msg.buffer} outside the sender's {n_src} rows",
+                        now)
+            return None
+        if msg.kind == Kind.AUX:  # its guard is read first: into a staging row, then on as a payload
+            self._stage(room, peer, msg, src_rows)
+            return None
+        return _Refs(room, peer, src_rows)
+
+    def first_row(self, msg: Any, src: Any) -> Any:
+        raise AssertionError("the aux row of the Mooncake plane is staged, never read in place")
+
+    def write(self, msg: DataRef | DataRefs, dst: np.ndarray, first: int, rows: np.ndarray | None,
+              src: _Refs) -> bool:
+        """Queue the engine reads of the claimed rows; they land later (False)."""
+        rb = self.row_bytes[msg.buffer]
+        dst_rows = np.arange(first, first + msg.count, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        local_base, remote_base = int(dst.ctypes.data), self.addrs[msg.buffer]
+        local: list[int] = []
+        remote: list[int] = []
+        lens: list[int] = []
+        for a, e in runs(src.rows, dst_rows):  # runs consecutive on both sides: one entry each
+            local.append(local_base + int(dst_rows[a]) * rb)
+            remote.append(remote_base + int(src.rows[a]) * rb)
+            lens.append((e - a) * rb)
+        room, rank = src.room, src.peer.rank
+        step = self.reader.batch_entries
+        for i in range(0, len(lens), step):
+            self.sink.core.stream_read(room, rank, +1)
+            part = lens[i:i + step]
+            self.reader.submit(_Job(room.tok, self.session, local[i:i + step], remote[i:i + step], part,
+                                    partial(_live, room),
+                                    self._landed_fn(room, src.peer, msg.buffer, sum(part))))
+        return False
+
+    def _landed_fn(self, room: DecodeRoom, peer: Peer, buffer: int, nbytes: int) -> Callable[[int | None, int], None]:
+        def landed(rc: int | None, row: int) -> None:
+            core = self.sink.core
+            core.stream_read(room, peer.rank, -1)
+            if rc is None or room.status.state.terminal:
+                return  # dropped unread, or the room ended meanwhile: nothing more of it counts
+            now = time.monotonic()
+            if rc == 0:
+                self.sink.landed(room, PlaneName.MOONCAKE, buffer, nbytes, now)
+            else:
+                self._failed(room, peer, rc, nbytes, now)
+            self.sink.flush()
+        return landed
+
+    def _failed(self, room: DecodeRoom, peer: Peer, rc: int, nbytes: int, now: float) -> None:
+        self.sink.core.reject(room, peer, FailureCode.TRANSPORT_ERROR,
+                              f"Mooncake TE read of {nbytes} bytes from {self.session} ({self.label}) failed: "
+                              f"the engine returned {rc}", now)
+
+    def _stage(self, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, src_rows: np.ndarray) -> None:
+        """Read the aux row into a staging row; then it goes on as a payload (``DataPath.data``)."""
+        rb = self.row_bytes[msg.buffer]
+        if msg.count != 1 or rb > self.reader.staging.shape[1]:
+            self.sink.core.reject(room, peer, FailureCode.UNEXPECTED, f"aux data-refs of {msg.count} rows of {rb} "
+                                                                      "bytes (one row of the aux buffer is read)",
+                                  time.monotonic())
+            return
+        core = self.sink.core
+        core.stream_read(room, peer.rank, +1)
+
+        def staged(rc: int | None, row: int) -> None:
+            core.stream_read(room, peer.rank, -1)
+            if rc is None or room.status.state.terminal:
+                return
+            now = time.monotonic()
+            if rc == 0:
+                self.sink.data(peer, self.staged, msg, self.reader.staging[row, :rb].data, now)
+            else:
+                self._failed(room, peer, rc, rb, now)
+            self.sink.flush()
+        self.reader.submit(_Job(room.tok, self.session, [], [self.addrs[msg.buffer] + int(src_rows[0]) * rb], [rb],
+                                partial(_live, room), staged, staging=True))
+
+    def close(self) -> None:
+        pass  # the reader and the engine belong to the receiver; the peer's reads settle there
