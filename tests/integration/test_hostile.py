@@ -1638,3 +1638,33 @@ def test_a_peer_that_shrinks_unlinks_or_replaces_its_pool_fails_its_rooms_only(g
     assert r2.wait().state is RoomState.SUCCESS
     r2.check_pool()
     env.dc.release(r2.room, group2)
+
+
+def test_a_garbage_flood_is_counted_in_full_and_logged_in_a_few_lines(guard: Env) -> None:
+    """Refusal logs are rate-limited per peer and reason: every refusal is counted, the first few
+    are logged one line each, the rest summed up (daemon/ratelog.py); the receiver's RSS stays
+    flat (printed: the RSS of the receiver before and after)."""
+    env = guard
+    before, logs = env.refused(), env.log_lines("decode")
+    pid = env.proc.proc.pid
+
+    def rss_kb() -> int:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    f = env.fake("flood")
+    for _ in range(200):  # warm-up: the allocator's first arenas
+        f.send(b"\xc1")
+    env.until(lambda: env.refused().get("decode", 0) >= before.get("decode", 0) + 200, "the warm-up to be refused")
+    rss0 = rss_kb()
+    n = 20_000
+    for _ in range(n):
+        f.send(b"\xc1")
+    env.until(lambda: env.refused().get("decode", 0) >= before.get("decode", 0) + 200 + n, "the flood to be refused")
+    rss1 = rss_kb()
+    print(f"receiver RSS {rss0} kB -> {rss1} kB over {n} refused messages ({(rss1 - rss0) * 1024 / n:.1f} B each)")
+    assert env.refused()["decode"] == before.get("decode", 0) + 200 + n  # every one counted
+    assert env.log_lines("decode") - logs <= 5  # the first five lines of this peer and reason, no more
+    assert rss1 - rss0 < 4096, f"RSS grew {rss1 - rss0} kB over {n} refused messages"

@@ -25,6 +25,7 @@ from .. import __version__
 from ..config import Config
 from ..daemon.accounting import Accounting
 from ..daemon.base import AgentBase
+from ..daemon.ratelog import RefusalLog
 from ..errors import ConfigError, TransferdError
 from ..layout import PoolLayout, layout_difference
 from ..pool import Pool, host_boot_id
@@ -70,6 +71,7 @@ class Receiver(AgentBase):
         self._own_pool = False
         self.incarnation = random.getrandbits(63)
         self.acct = Accounting()
+        self.refusals = RefusalLog(log, self.name)
         self.data_endpoint = ""
         self.engine_endpoint = ""
         self.streams: StreamServer | None = None
@@ -213,8 +215,8 @@ class Receiver(AgentBase):
         log.warning("%s: could not send %s to %r: %s", self.name, type(msg).__name__, ident, err)
 
     def refuse(self, code: str, why: str, ident: bytes = b"") -> None:
-        self.acct.refused[code] += 1
-        log.warning("%s: refused (%s) from %r: %s", self.name, code, ident, why)
+        self.acct.refused[code] += 1  # every refusal is counted; its log line is rate-limited
+        self.refusals.refused(code, repr(ident), why, time.monotonic())
 
     def act(self) -> None:
         """Carry out what the core decided, in order."""
@@ -335,8 +337,10 @@ class Receiver(AgentBase):
         heartbeat interval."""
         while True:
             await asyncio.sleep(self.rcfg.heartbeat_interval_s / 2)
-            self.core.tick(time.monotonic())
+            now = time.monotonic()
+            self.core.tick(now)
             self.act()
+            self.refusals.flush(now)
 
     # -- engine API (runs on the loop) ---------------------------------------------------
     def expect(self, req: RoomRequest) -> RoomStatus:

@@ -1,0 +1,75 @@
+"""Refusal log lines, rate-limited per peer and reason, so garbage traffic cannot fill the journal.
+
+The first ``burst`` refusals of one (peer, code) in a window are logged one line each, as before;
+later ones of that window are only counted, and the next refusal after the window, or the next
+:meth:`RefusalLog.flush` (the agents' tick), logs one summary line with the count. The counters
+(``refused[code]``, the metrics) still count every refusal: only the log lines are limited.
+
+Memory is bounded whatever a peer sends: at most ``max_keys`` (peer, code) entries are kept; past
+that, refusals are counted under one entry per code for every other peer ("other peers").
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+BURST = 5  # lines per (peer, code) in one window
+WINDOW_S = 30.0
+MAX_KEYS = 1024
+
+
+@dataclass(slots=True)
+class _Entry:
+    start: float
+    logged: int = 0
+    suppressed: int = 0
+    last_why: str = ""
+
+
+class RefusalLog:
+    def __init__(self, log: logging.Logger, name: str, *, burst: int = BURST, window_s: float = WINDOW_S,
+                 max_keys: int = MAX_KEYS) -> None:
+        self.log = log
+        self.name = name
+        self.burst = burst
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self.entries: dict[tuple[str, str], _Entry] = {}
+        self.lines = 0  # log lines written (refusal lines and summaries), for tests and stats
+
+    def refused(self, code: str, peer: str, why: str, now: float) -> None:
+        key = (peer, code)
+        e = self.entries.get(key)
+        if e is None:
+            if len(self.entries) >= self.max_keys:
+                key = ("other peers", code)
+                e = self.entries.get(key)
+            if e is None:
+                e = self.entries[key] = _Entry(now)
+        if now - e.start >= self.window_s:
+            self._summary(key, e)
+            e.start, e.logged = now, 0
+        if e.logged < self.burst:
+            e.logged += 1
+            self.lines += 1
+            more = (f" (the {self.burst}th in {now - e.start:.0f} s: further ones from this peer for this reason are "
+                    f"counted and summed up every {self.window_s:.0f} s)") if e.logged == self.burst else ""
+            self.log.warning("%s: refused (%s) from %s: %s%s", self.name, code, key[0], why, more)
+        else:
+            e.suppressed += 1
+            e.last_why = why
+
+    def _summary(self, key: tuple[str, str], e: _Entry) -> None:
+        if e.suppressed:
+            self.lines += 1
+            self.log.warning("%s: refused (%s) from %s: %d more not logged in the last %.0f s (last: %s)",
+                             self.name, key[1], key[0], e.suppressed, self.window_s, e.last_why)
+            e.suppressed = 0
+
+    def flush(self, now: float) -> None:
+        """Summaries of the windows that ended; entries idle for a window are forgotten."""
+        for key, e in list(self.entries.items()):
+            if now - e.start >= self.window_s:
+                self._summary(key, e)
+                del self.entries[key]
