@@ -326,7 +326,16 @@ class TransferdKVSender(BaseKVSender):  # type: ignore[misc]
                                        state=state if last else None,
                                        aux_slot=self.aux_index if last else None)
         except TransferdError as exc:
-            self._fail(exc.code, f"submit refused by transferd sender {mgr.endpoint}: {exc}")
+            # a room that already ended (the decode side aborted it, a peer was lost) refuses the
+            # next chunk: report why it ended, not the refusal that followed
+            try:
+                st = mgr.prefill.poll(self.bootstrap_room)
+            except TransferdError:
+                st = None
+            if st is not None and st.state is RoomState.FAILED:
+                self.failure = st
+            else:
+                self._fail(exc.code, f"submit refused by transferd sender {mgr.endpoint}: {exc}")
             return
         if not self.submitted:
             self.submitted = True
