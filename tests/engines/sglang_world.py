@@ -170,7 +170,9 @@ def prefill_rank(rank: int, cp_size: int, cfg_path: str, rooms: list[Room], conn
                 st = sender.poll()
                 if st in (KVPoll.Success, KVPoll.Failed) or time.monotonic() > deadline:
                     break
-                time.sleep(0.002)
+                # between two polls (a scheduler's forward pass), block on the agent until the
+                # room ends or 50 ms pass: an event, not a sleep
+                mgr.prefill.wait(room.room, timeout_s=0.05)
             reason = ""
             if st == KVPoll.Failed:
                 try:
