@@ -47,7 +47,7 @@ from ...protocol.messages import DataRef, DataRefs
 from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
 from ...protocol.room import runs
 from ...types import Kind, PlaneName
-from .same_host import SameHostSender
+from .same_host import SameHostSender, ref_rows
 
 log = logging.getLogger(__name__)
 
@@ -357,21 +357,8 @@ class MooncakeReceiver:
 
     def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, payload: Any,
                now: float) -> _Refs | None:
-        n_src = self.n_rows[msg.buffer]
-        if isinstance(msg, DataRefs):
-            if len(payload) != msg.count * 8:
-                core.reject(room, peer, FailureCode.LENGTH_MISMATCH, f"data-refs list of {len(payload)} bytes for "
-                                                                     f"{msg.count} rows (8 bytes each)", now)
-                return None
-            src_rows = np.frombuffer(payload, dtype="<i8")
-            lo, hi = int(src_rows.min()), int(src_rows.max()) + 1
-        else:
-            lo, hi = msg.src_row, msg.src_row + msg.count
-            src_rows = np.arange(lo, hi, dtype=np.int64)
-        if lo < 0 or hi > n_src:
-            core.reject(room, peer, FailureCode.INDEX_OUT_OF_RANGE, f"data-ref rows [{lo}, {hi}) of buffer "
-                                                                    f"{msg.buffer} outside the sender's {n_src} rows",
-                        now)
+        src_rows = ref_rows(core, room, peer, msg, payload, self.n_rows[msg.buffer], now)
+        if src_rows is None:
             return None
         if msg.kind == Kind.AUX:  # its guard is read first: into a staging row, then on as a payload
             self._stage(room, peer, msg, src_rows)

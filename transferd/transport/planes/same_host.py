@@ -70,6 +70,28 @@ class SameHostSender(ZmqSender):
         self.env.counters.shm_bytes += nbytes
 
 
+def ref_rows(core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, payload: Any, n_src: int,
+             now: float) -> np.ndarray | None:
+    """The source rows a data-ref or data-refs message names, checked against the sender's
+    ``n_src`` rows of that buffer; None after telling the core why not (every plane that reads
+    rows out of the sender's pool, the same-host one and Mooncake's, checks them here)."""
+    if isinstance(msg, DataRefs):
+        if len(payload) != msg.count * 8:
+            core.reject(room, peer, FailureCode.LENGTH_MISMATCH, f"data-refs list of {len(payload)} bytes for "
+                                                                 f"{msg.count} rows (8 bytes each)", now)
+            return None
+        src_rows = np.frombuffer(payload, dtype="<i8")
+        lo, hi = int(src_rows.min()), int(src_rows.max()) + 1
+    else:
+        lo, hi = msg.src_row, msg.src_row + msg.count
+        src_rows = np.arange(lo, hi, dtype=np.int64)
+    if lo < 0 or hi > n_src:
+        core.reject(room, peer, FailureCode.INDEX_OUT_OF_RANGE, f"data-ref rows [{lo}, {hi}) of buffer "
+                                                                f"{msg.buffer} outside the sender's {n_src} rows", now)
+        return None
+    return src_rows
+
+
 class SameHostReceiver:
     """Rows named in the sender's own pool (data-ref, data-refs), read out of its file straight
     into the destination rows with ``preadv``: one copy, and nothing a peer can revoke is mapped."""
@@ -113,21 +135,8 @@ class SameHostReceiver:
 
     def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, payload: Any,
                now: float) -> np.ndarray | None:
-        n_src = self.rows[msg.buffer]
-        if isinstance(msg, DataRefs):
-            if len(payload) != msg.count * 8:
-                core.reject(room, peer, FailureCode.LENGTH_MISMATCH, f"data-refs list of {len(payload)} bytes for "
-                                                                     f"{msg.count} rows (8 bytes each)", now)
-                return None
-            src_rows = np.frombuffer(payload, dtype="<i8")
-            lo, hi = int(src_rows.min()), int(src_rows.max()) + 1
-        else:
-            lo, hi = msg.src_row, msg.src_row + msg.count
-            src_rows = np.arange(lo, hi, dtype=np.int64)
-        if lo < 0 or hi > n_src:
-            core.reject(room, peer, FailureCode.INDEX_OUT_OF_RANGE, f"data-ref rows [{lo}, {hi}) of buffer "
-                                                                    f"{msg.buffer} outside the sender's {n_src} rows",
-                        now)
+        src_rows = ref_rows(core, room, peer, msg, payload, self.rows[msg.buffer], now)
+        if src_rows is None:
             return None
         why = self._unusable()
         if why:
