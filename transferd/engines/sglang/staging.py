@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import IndexOutOfRange
 from ...pool.shm import Pool
+from ...protocol.room import runs
 from .kvmap import AUX_GUARD_BYTES, EngineBuffer, EngineMap
 
 torch: Any
@@ -54,17 +55,6 @@ def engine_rows(buf: EngineBuffer, device: Any) -> Any:
     return flat.view(buf.rows, buf.item_bytes)
 
 
-def row_runs(rows: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
-    """``[(first, count)]`` for the stretches of consecutive rows in ``rows`` (order kept)."""
-    arr = np.asarray(rows, dtype=np.int64)
-    if arr.size == 0:
-        return []
-    brk = np.nonzero(np.diff(arr) != 1)[0] + 1
-    starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [arr.size]))
-    return [(int(arr[a]), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())]
-
-
 class Staging:
     """Copies rows between one engine's buffers and the pool that mirrors them (row ``r`` ↔ row ``r``)."""
 
@@ -97,11 +87,13 @@ class Staging:
 
     # -- the copies ----------------------------------------------------------------------
     def _copy(self, pairs: list[tuple[Any, Any]], rows: Sequence[int] | np.ndarray, to_pool: bool) -> int:
-        runs = row_runs(rows)
+        arr = np.asarray(rows, dtype=np.int64)
+        # engine row r is pool row r: a run of consecutive rows is one block on both sides
+        blocks = [(int(arr[a]), b - a) for a, b in runs(arr, arr)]
         moved = 0
         for eng, pool in pairs:
             limit = min(eng.shape[0], pool.shape[0])
-            for first, n in runs:
+            for first, n in blocks:
                 if first < 0 or first + n > limit:
                     raise IndexOutOfRange(f"rows {first}..{first + n - 1} lie outside the engine buffer of {limit} rows")
                 if to_pool:
