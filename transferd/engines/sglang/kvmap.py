@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import LayoutError
-from ...layout import PoolLayout
+from ...layout import PoolLayout, dtype_size
 
 AUX_GUARD_BYTES = 8
 
@@ -102,7 +102,7 @@ def suggest_model(kv_args: Any, is_mla: bool) -> dict[str, Any]:
     item = list(kv_args.kv_item_lens)
     page = int(kv_args.page_size)
     dtype = _DTYPES.get(str(getattr(kv_args, "kv_cache_dtype_str", "auto")).lower(), "uint8")
-    size = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1}[dtype]
+    size = dtype_size(dtype)
     layers = len(ptrs) if is_mla else len(ptrs) // 2
     elems = item[0] // (page * size) if item else 0
     out: dict[str, Any] = {"dtype": dtype, "page_size": page, "kv_layers": layers,
