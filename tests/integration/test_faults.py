@@ -151,6 +151,23 @@ def test_stall_clock_fails_a_stuck_transfer_but_not_a_slow_one(cluster: Cluster)
     assert pcs[0].wait(r2.room, 10).code == "stalled"
 
 
+def test_a_slow_receiver_slows_queued_rooms_instead_of_failing_them(tmp_path: Path) -> None:
+    """Issue 13 item 7: rooms queued behind others on a busy but progressing connection are
+    slowed, not stalled. Ten rooms at once through a receiver that pauses 50 ms after every
+    message, with a 1 s stall clock: each room waits seconds behind the others' rows (before the
+    fix, about half of them failed ``stalled``); every one succeeds byte-exact."""
+    out = tmp_path / "s.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
+    env.update(PYTHONPATH=str(ROOT), TRANSFERD_RECEIVER_STALL_TIMEOUT_S="1.0")
+    proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--cp-size", "2", "--rooms", "10",
+                           "--in-flight", "10", "--fault", "slow-receiver:50", "--json", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["rooms_failed_by_reason"] == {} and s["rooms_ok"] == 10, s["rooms_failed_by_reason"]
+    assert s["corrupted_rooms"] == 0 and s["mismatched_bytes"] == 0
+
+
 def test_queue_clocks_are_separate_from_liveness(cluster: Cluster) -> None:
     ep, dc, _ = cluster.receiver(bootstrap_timeout_s=1.0)
     pcs, spools = cluster.group("prefill0", 1, [ep], assign_timeout_s=1.0)

@@ -1496,6 +1496,43 @@ def test_a_broken_stream_loses_the_peer_and_fails_its_room(guard: Env, case: str
     env.dc.release(r.room, group)
 
 
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_stream_stalled_inside_a_rooms_first_record_fails_it_at_the_stall_clock(cluster: Cluster,
+                                                                                  where: str) -> None:
+    """Issue 13 item 5: a data stream that stops inside a room's first (large) record, while its
+    peer keeps answering heartbeats, fails the room ``stalled`` at ``stall_timeout_s`` with a
+    reason naming the stream (before: the room stayed ``waiting`` until ``waiting_timeout_s``,
+    "sent nothing"). The receiver closes that stream; other groups go on."""
+    ep, dc, dpool = cluster.receiver(kv_pages=256, state_slots=64, aux_slots=64, stall_timeout_s=1.0,
+                                     waiting_timeout_s=120.0)
+    env = Env(cluster, ep, dc, dpool, [], [], cluster.procs[0])
+    fill_random(dpool, 77)
+    try:
+        fake, group, r = fake_room(env, channel="stream", n=128)
+        kv0 = _kv0(r)
+        s = fake.stream
+        assert s is not None
+        rows = r.rows(kv0, 0, r.n)  # 64 KiB: read straight into the rows
+        rec = record(pack([1, r.tok, KV, kv0, 0, r.n]), rows)
+        cut = len(rec) - len(rows) + len(rows) // 2 if where == "payload" else 20
+        s.sendall(rec[:cut])  # then nothing more on the stream; pings are still answered
+        if where == "payload":
+            r.want[kv0][r.dst[:64]] = r.src[kv0][:64]
+        deadline = time.monotonic() + 30
+        while not (st := dc.poll(r.room, group)).state.terminal:
+            fake.pump()  # the peer is alive: heartbeats go on
+            assert time.monotonic() < deadline, f"the room is still {st} (the stall clock did not cover the record)"
+            time.sleep(0.05)
+        assert st.code == "stalled", st
+        assert "data stream" in st.reason and "stalled" in st.reason and "inside" in st.reason, st.reason
+        assert closed_by_peer(s)
+        r.check_pool()
+        dc.release(r.room, group)
+    finally:
+        for f in env.fakes:
+            f.close()
+
+
 def test_rows_of_a_room_aborted_while_its_payload_arrives_are_not_written(guard: Env) -> None:
     """The abort barrier on a stream: a payload read straight into the rows stops at the abort;
     its later bytes are read and dropped."""

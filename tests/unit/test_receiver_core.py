@@ -419,7 +419,80 @@ def test_stall_clock_resets_with_every_landed_row() -> None:
         assert finished(c.drain()) == []
     c.tick(T0 + 28.01)
     (f,) = of(c.drain(), Finished)
-    assert f.status.code == "stalled" and f.status.reason == "no data for 10.0s; ranks not done: [0, 1]"
+    assert f.status.code == "stalled"
+    assert f.status.reason == "no data for 10.0s; ranks not done: [0, 1] (and nothing from them for any room in 10s)"
+
+
+def test_a_room_queued_behind_others_on_a_moving_connection_is_slowed_not_stalled() -> None:
+    """The stall clock measures the connection: while a rank the room waits for keeps sending
+    rows of other rooms (a slow receiver works through its queue), the room waits."""
+    c = core(heartbeat_misses=10_000, waiting_timeout_s=100.0)
+    p0, p1 = join(c, 0), join(c, 1)
+    c.expect(request(1), T0)
+    c.expect(request(2), T0)
+    r1, r2 = c.room("g", 1), c.room("g", 2)
+    first = Data(r1.tok, Kind.KV, KV_BUFFERS[0], 0, 2)
+    assert c.data_room(p0, first, T0) is r1 and c.claim(r1, p0, first, T0) is not None
+    c.landed(r1, 2 * LAYOUT.buffers[KV_BUFFERS[0]].row_bytes, T0)
+    send_all(c, p1, 1, T0)  # rank 1 is done with room 1: only rank 0's connection matters
+    for t in range(1, 30):  # rank 0 sends room 2's rows, one row a second, for 29 s
+        msg = Data(r2.tok, Kind.KV, KV_BUFFERS[1], t % 2, 1)
+        assert c.data_room(p0, msg, T0 + t) is r2
+        c.tick(T0 + t + 0.5)
+    assert finished(c.drain()) == []
+    assert r1.status.state is RoomState.TRANSFERRING  # 29 s without its own progress: slowed
+    c.tick(T0 + 29 + 10.01)  # then rank 0 stops sending anything
+    acts = c.drain()
+    assert [(f.room.req.room, f.status.code) for f in of(acts, Finished)] == [(1, "stalled")]
+    assert r1.status.reason == ("no data for 39.0s; ranks not done: [0] (and nothing from them for any room in "
+                                "10s)"), r1.status.reason
+
+
+def test_a_room_starved_on_a_moving_connection_fails_at_the_waiting_timeout() -> None:
+    c = core(heartbeat_misses=10_000, waiting_timeout_s=100.0)
+    p0, p1 = join(c, 0), join(c, 1)
+    c.expect(request(1), T0)
+    c.expect(request(2, n=40), T0)
+    r1, r2 = c.room("g", 1), c.room("g", 2)
+    msg = Data(r1.tok, Kind.KV, KV_BUFFERS[0], 0, 1)
+    assert c.data_room(p0, msg, T0) is r1 and c.claim(r1, p0, msg, T0) is not None
+    c.landed(r1, LAYOUT.buffers[KV_BUFFERS[0]].row_bytes, T0)
+    for t in range(1, 101):  # rank 0 (and rank 1) keep the connections moving with room 2's rows
+        for p in (p0, p1):
+            assert c.data_room(p, Data(r2.tok, Kind.KV, KV_BUFFERS[0], 0, 1), T0 + t) is r2
+        c.tick(T0 + t + 0.5)
+        if t < 100:
+            assert finished(c.drain()) == [], t
+    f, f2 = of(c.drain(), Finished)
+    assert f.room is r1 and f.status.code == "stalled"
+    assert f2.room is r2 and f2.status.code == "waiting_timeout"  # nothing of it ever accepted
+    assert "ranks [0, 1] kept sending other rooms' rows, but none of this room's within waiting_timeout_s 100s" in \
+        f.status.reason
+
+
+def test_a_stream_stopped_inside_a_record_stalls_the_rooms_waiting_for_its_rank() -> None:
+    """A straight read that starts is the room's progress (waiting -> transferring); a stream
+    that then stops inside the record fails, at stall_timeout_s, every room still waiting for
+    that rank, naming the stream; between records an idle stream is no fault."""
+    c = core(heartbeat_misses=10_000)
+    p0, _ = join(c, 0), join(c, 1)
+    c.expect(request(1), T0)
+    c.expect(request(2), T0)
+    r1, r2 = c.room("g", 1), c.room("g", 2)
+    send_all(c, p0, 2, T0)  # rank 0 is done with room 2
+    c.drain()
+    assert r1.status.state is RoomState.WAITING
+    c.stream_read(r1, 0, +1, T0 + 1)
+    assert r1.status.state is RoomState.TRANSFERRING and r1.last_progress == T0 + 1
+    assert not c.stream_idle(p0, 50.0, "", T0 + 51)  # between records: heartbeats decide
+    assert not c.stream_idle(p0, 10.0, "the payload of a record (4096 of 8192 bytes)", T0 + 11)
+    assert c.drain() == []
+    assert c.stream_idle(p0, 10.01, "the payload of a record (4096 of 8192 bytes)", T0 + 11.01)
+    acts = c.drain()
+    assert [(f.room.req.room, f.status.code) for f in of(acts, Finished)] == [(1, "stalled")]
+    assert r1.status.reason == ("the data stream of prefill g rank 0 (pid 1 on h) stalled: no byte for 10.0s inside "
+                                "the payload of a record (4096 of 8192 bytes)")
+    assert not r2.status.state.terminal  # it waits for rank 1 only
 
 
 # -- peers: heartbeats, restarts, epochs -----------------------------------------------------

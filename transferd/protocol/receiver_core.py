@@ -51,6 +51,7 @@ class Peer:
     stream_key: bytes = b""  # the data stream offered at registration (its hello carries this key)
     streaming: bool = False  # its data stream is open
     te: bool = False  # the receiver reads this sender's rows with Mooncake Transfer Engine
+    last_data: float = 0.0  # the last data from it, for any room (rows, a record's bytes, a done)
 
     @property
     def label(self) -> str:
@@ -476,6 +477,7 @@ class ReceiverCore:
 
     # -- control messages from a registered peer -----------------------------------------------
     def done(self, peer: Peer, msg: Done, now: float) -> None:
+        peer.last_data = now
         room = self.by_tok.get(msg.tok)
         if room is None or room.status.state.terminal:
             self.actions.append(Drop("done_not_live"))
@@ -508,6 +510,7 @@ class ReceiverCore:
     def data_room(self, peer: Peer, msg: DataMessage, now: float) -> DecodeRoom | None:
         """The live room a data message is for, if this peer may write it and the buffer is of
         the kind the message says (the checks that need no payload byte); None otherwise."""
+        peer.last_data = now  # its connection moves, whatever the verdict
         room = self.by_tok.get(msg.tok)
         if room is None:
             self._refuse("unknown_room", f"data for unknown transfer token {msg.tok:x}", peer.ident)
@@ -567,10 +570,34 @@ class ReceiverCore:
             self.reject(room, peer, exc.code, exc.reason, now)
             return None
 
-    def stream_read(self, room: DecodeRoom, rank: int, delta: int) -> None:
-        """A straight read of ``rank``'s rows of the room from its data stream starts (+1) or
-        ends (-1): a ``done`` of that rank meanwhile has overtaken its rows."""
+    def stream_read(self, room: DecodeRoom, rank: int, delta: int, now: float | None = None) -> None:
+        """A straight read of ``rank``'s rows of the room from its data stream starts (+1, with
+        ``now``) or ends (-1): a ``done`` of that rank meanwhile has overtaken its rows. Rows
+        arriving are the room's progress: from then on the stall clock, not the waiting one,
+        measures it (a record that stops half-way fails it at ``stall_timeout_s``)."""
         room.streaming[rank] = room.streaming.get(rank, 0) + delta
+        if now is not None:
+            room.last_progress = now
+            if room.status.state is RoomState.WAITING:
+                room.status = advance(room.status, RoomStatus(RoomState.TRANSFERRING))
+
+    def stream_idle(self, peer: Peer, idle_s: float, in_record: str, now: float) -> bool:
+        """The shell's report on a peer's data stream at a tick: no byte for ``idle_s`` seconds;
+        ``in_record`` describes the record it stopped inside ("" = between records). A stream
+        that stopped inside a record for ``stall_timeout_s`` has stalled: every room of the peer
+        that still waits for its rank fails ``stalled`` naming the stream, and True is returned
+        (the shell closes it; the peer's other rooms then fail as a lost peer). Between records,
+        an idle stream is just idle (heartbeats say whether the peer lives)."""
+        if not in_record or idle_s <= self.s.stall_timeout_s or self.peers.get(peer.ident) is not peer:
+            return False
+        reason = (f"the data stream of {peer.label} (pid {peer.pid} on {peer.host}) stalled: no byte for "
+                  f"{idle_s:.1f}s inside {in_record}")
+        for room in self.rooms_of(peer.group):
+            if (room.assigned.get(peer.rank) == peer.ident and not room.status.state.terminal
+                    and (room.tracker is None or peer.rank not in room.tracker.done)):
+                self.finish(room, RoomStatus(RoomState.FAILED, FailureCode.STALLED, reason), now)
+        self.actions.append(Note("warning", reason))
+        return True
 
     def landed(self, room: DecodeRoom, nbytes: int, now: float) -> None:
         """Claimed rows of a room are in place: progress, and the room ends if that completes it."""
@@ -591,7 +618,8 @@ class ReceiverCore:
         silent for ``interval × misses`` is lost (liveness); a room whose group has not
         registered every rank within ``bootstrap_timeout_s`` fails (queueing for the prefill
         side); a waiting room with nothing accepted for ``waiting_timeout_s``, or a transferring
-        one with no progress for ``stall_timeout_s``, fails (progress)."""
+        one with no progress for ``stall_timeout_s`` whose ranks' connections stopped too, fails
+        (progress; see :meth:`_stall_check`)."""
         s = self.s
         deadline = s.heartbeat_interval_s * s.heartbeat_misses
         self._seq += 1
@@ -616,10 +644,31 @@ class ReceiverCore:
                                              f"prefill group {room.req.group} sent nothing for the room within "
                                              f"{s.waiting_timeout_s:g}s of its assignment"), now)
             elif st is RoomState.TRANSFERRING and now - room.last_progress > s.stall_timeout_s:
-                waiting = [r for r in range(room.tracker.cp_size) if r not in room.tracker.done]
-                self.finish(room, RoomStatus(RoomState.FAILED, FailureCode.STALLED,
-                                             f"no data for {now - room.last_progress:.1f}s; ranks not done: "
-                                             f"{waiting}"), now)
+                self._stall_check(room, now)
+
+    def _stall_check(self, room: DecodeRoom, now: float) -> None:
+        """A transferring room with no progress of its own for ``stall_timeout_s``. If a rank it
+        still waits for keeps sending (rows of rooms queued ahead of it on the same connection),
+        it is being slowed, not stalled: it waits, up to ``waiting_timeout_s`` without progress
+        of its own. If none of them sent anything for ``stall_timeout_s``, it has stalled."""
+        s = self.s
+        assert room.tracker is not None
+        idle = now - room.last_progress
+        waiting = [r for r in range(room.tracker.cp_size) if r not in room.tracker.done]
+        moving = []
+        for rank in waiting:
+            peer = self.peers.get(room.assigned.get(rank, b""))
+            if peer is not None and now - peer.last_data <= s.stall_timeout_s:
+                moving.append(rank)
+        if not moving:
+            reason = (f"no data for {idle:.1f}s; ranks not done: {waiting} (and nothing from them for any room "
+                      f"in {s.stall_timeout_s:g}s)")
+        elif idle > s.waiting_timeout_s:
+            reason = (f"no data for {idle:.1f}s; ranks not done: {waiting} (ranks {moving} kept sending other rooms' "
+                      f"rows, but none of this room's within waiting_timeout_s {s.waiting_timeout_s:g}s)")
+        else:
+            return
+        self.finish(room, RoomStatus(RoomState.FAILED, FailureCode.STALLED, reason), now)
 
     # -- introspection -------------------------------------------------------------------------
     def live_rooms(self) -> int:

@@ -240,6 +240,7 @@ class StreamReader:
         self._got = 0  # bytes already in it
         self._target: Target | None = None
         self._paused: asyncio.TimerHandle | None = None
+        self.rx_bytes = 0  # bytes read so far (the receiver's tick tells a stalled stream by it)
         self._hello_timer: asyncio.TimerHandle | None = self.loop.call_later(HELLO_TIMEOUT_S, self._hello_late)
         self.loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -297,6 +298,7 @@ class StreamReader:
                 at_boundary = self._state == "prefix" and got == 0
                 self.close(f"data stream from {self.addr} closed" + ("" if at_boundary else " in mid-message"))
                 return
+            self.rx_bytes += n
             if n < left:
                 self._got = got + n
                 continue
@@ -313,6 +315,17 @@ class StreamReader:
                     log.exception("data stream from %s: error while handling a record", self.addr)
                     self.close(f"data stream from {self.addr}: internal error")
                     return
+
+    def in_record(self) -> str:
+        """Where in a record the stream is: "" between records (or before its hello), else a
+        description such as "the payload of a record (40960 of 131072 bytes)"."""
+        state = self._state
+        if state == "hello" or (state == "prefix" and self._vi == 0 and self._got == 0):
+            return ""
+        done = sum(len(v) for v in self._views[:self._vi]) + self._got
+        total = sum(len(v) for v in self._views)
+        what = {"prefix": "a record's prefix", "header": "a record's header"}.get(state, "the payload of a record")
+        return f"{what} ({done} of {total} bytes)"
 
     def _drop_rest(self) -> None:
         """The payload's owner is gone: read the rest of it into the scratch and drop it."""

@@ -157,7 +157,7 @@ class StreamReceiver(PayloadReceiver):
                 views += [dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1).data for a, b in runs(rows, rows)]
         assert room is not None
         live, rank = room, peer.rank
-        core.stream_read(live, rank, +1)
+        core.stream_read(live, rank, +1, now)
 
         def landed() -> None:
             core.stream_read(live, rank, -1)
