@@ -19,6 +19,9 @@ import msgpack
 from .errors import LayoutError
 
 LAYOUT_VERSION = 1
+MAX_LAYOUT_BUFFERS = 4096  # a model with 1,000 layers of K, V and two state buffers fits; more is hostile
+MAX_LAYOUT_NAME = 256  # characters of a name, kind, component, dtype or model
+MAX_SHAPE_DIMS = 8
 
 BufferKind = Literal["kv", "state", "aux"]
 KINDS: tuple[str, ...] = ("kv", "state", "aux")
@@ -226,9 +229,14 @@ class PoolLayout:
         try:
             if data["v"] != LAYOUT_VERSION:
                 raise LayoutError(f"layout version {data['v']} is not {LAYOUT_VERSION}")
+            raw = data["buffers"]
+            if not isinstance(raw, list):
+                raise TypeError("buffers must be a list")
+            if len(raw) > MAX_LAYOUT_BUFFERS:  # before any per-buffer work: a hostile size costs nothing
+                raise LayoutError(f"a layout of {len(raw)} buffers exceeds the limit of {MAX_LAYOUT_BUFFERS}")
             bufs = tuple(
-                BufferSpec(_s(n), _s(k), _i(layer), _s(c), _s(dt), tuple(_i(x) for x in shape), _i(rows))  # type: ignore[arg-type]
-                for n, k, layer, c, dt, shape, rows in data["buffers"]
+                BufferSpec(_s(n), _s(k), _i(layer), _s(c), _s(dt), _shape(shape), _i(rows))  # type: ignore[arg-type]
+                for n, k, layer, c, dt, shape, rows in raw
             )
             out = cls(model=_s(data["model"]), page_size=_i(data["page_size"]), buffers=bufs)
         except LayoutError:
@@ -251,7 +259,15 @@ def _i(x: Any) -> int:
 def _s(x: Any) -> str:
     if not isinstance(x, str):
         raise TypeError(f"expected a string, got {x!r}")
+    if len(x) > MAX_LAYOUT_NAME:
+        raise ValueError(f"a string of {len(x)} characters (at most {MAX_LAYOUT_NAME})")
     return x
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    if not isinstance(x, list) or len(x) > MAX_SHAPE_DIMS:
+        raise ValueError(f"a shape must be a list of at most {MAX_SHAPE_DIMS} integers, not {x!r:.80}")
+    return tuple(_i(d) for d in x)
 
 
 def layout_difference(a: PoolLayout, b: PoolLayout, a_name: str = "sender", b_name: str = "receiver") -> str | None:

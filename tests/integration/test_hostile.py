@@ -867,6 +867,41 @@ def test_a_header_over_16_mib_is_a_decode_error(guard: Env) -> None:
     assert "exceeds" in env.proc.log.read_text(errors="replace").splitlines()[-1]
 
 
+def test_huge_registers_from_strangers_are_refused_on_their_size_and_real_rooms_go_on(cluster: Cluster) -> None:
+    """Issue 13 item 2: three ~15 MB registers (layouts of 500,000 buffers) from an identity that
+    never registered blocked the receiver for seconds each, and a real sender missed its
+    heartbeats. A header over 1 MiB is refused on its length, before any decoding; a register
+    within it but with more than 4,096 buffers is refused before any per-buffer work. With a
+    1 s heartbeat deadline on both sides, the real group's rooms go on succeeding meanwhile."""
+    hb = {"heartbeat_interval_s": 0.2, "heartbeat_misses": 5}
+    ep, dc, dpool = cluster.receiver(kv_pages=256, state_slots=64, aux_slots=64, **hb)
+    pcs, spools = cluster.group(REAL_GROUP, 2, [ep], state_slots=64, aux_slots=64, **hb)
+    for i, p in enumerate(spools):
+        fill_random(p, 40 + i)
+    env = Env(cluster, ep, dc, dpool, pcs, spools, cluster.procs[0])
+    try:
+        wire = FAKE_LAYOUT.to_wire()
+        entry = wire["buffers"][0]
+        huge = pack(register_header("squat", 0, 1) | {"layout": wire | {"buffers": [entry] * 500_000}})
+        many = pack(register_header("squat", 0, 1) | {"layout": wire | {"buffers": [entry] * 20_000}})
+        assert len(huge) > 10 << 20 and len(many) < 1 << 20
+        before = env.refused()
+        fakes = [env.fake(f"huge{i}") for i in range(3)]
+        for f in fakes:
+            f.send(huge)
+        env.until(lambda: delta(env.refused(), before) == {"decode": 3}, "three oversized headers refused")
+        assert "exceeds 1048576" in env.proc.log.read_text(errors="replace")
+        for f in fakes:
+            f.send(many)
+        layout_refusals = [f.next("registered") for f in fakes]
+        assert all(not r["ok"] and "exceeds the limit of 4096" in r["reason"] for r in layout_refusals), layout_refusals
+        assert_serves(env)
+        assert dc.stats()["heartbeat_misses"] == {}, dc.stats()["heartbeat_misses"]
+    finally:
+        for f in env.fakes:
+            f.close()
+
+
 def test_a_frame_over_max_frame_bytes_drops_the_connection_not_the_receiver(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(max_frame_bytes="1MiB", kv_pages=256, state_slots=64, aux_slots=64)
     pcs, spools = cluster.group(REAL_GROUP, 2, [ep], state_slots=64, aux_slots=64)

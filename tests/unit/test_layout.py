@@ -226,7 +226,21 @@ MALFORMED = {
     "rows not int": _mut(lambda w: w["buffers"][0].__setitem__(6, "many")),
     "no aux": _mut(lambda w: w["buffers"].pop()),
     "two aux": _mut(lambda w: w["buffers"].append(list(w["buffers"][-1]))),
+    "buffers not a list": _mut(lambda w: w.__setitem__("buffers", {"0": w["buffers"][0]})),
+    "a name of 257 chars": _mut(lambda w: w["buffers"][0].__setitem__(0, "n" * 257)),
+    "a model name of 257 chars": _mut(lambda w: w.__setitem__("model", "m" * 257)),
+    "shape of 9 dims": _mut(lambda w: w["buffers"][0].__setitem__(5, [1] * 9)),
 }
+
+
+def test_a_layout_over_the_buffer_limit_is_refused_before_any_per_buffer_work() -> None:
+    from transferd.layout import MAX_LAYOUT_BUFFERS
+
+    w = _wire()
+    w["buffers"] = [object()] * (MAX_LAYOUT_BUFFERS + 1)  # not even a valid buffer: never looked at
+    with pytest.raises(LayoutError, match=f"a layout of {MAX_LAYOUT_BUFFERS + 1} buffers exceeds the limit of "
+                                          f"{MAX_LAYOUT_BUFFERS}"):
+        PoolLayout.from_wire(w)
 
 
 @pytest.mark.parametrize("wire", list(MALFORMED.values()), ids=list(MALFORMED))

@@ -39,6 +39,9 @@ DATA_REFS_TAG = 3
 DATA_BATCH_TAG = 4
 MAX_BATCH_ENTRIES = 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # an assign for a very long room still fits; more is hostile
+# What a receiver accepts from senders, checked on the frame's length before any decoding: the
+# largest legitimate header is a register whose layout has MAX_LAYOUT_BUFFERS buffers (~0.3 MB).
+MAX_INBOUND_HEADER_BYTES = 1 << 20
 U64_MAX = (1 << 64) - 1
 
 
@@ -407,11 +410,12 @@ def _data_fields(tok: int, kind: int, buf: int, pos: int, count: int, csum: int 
     return Data(tok, kind, buf, pos, count, csum)
 
 
-def decode_header(frame: bytes | memoryview) -> Message:
-    """Decode a header frame; raises :class:`DecodeError` or :class:`VersionMismatch` with a
-    reason that names the problem. Never evaluates anything but msgpack scalars and containers."""
-    if len(frame) > MAX_HEADER_BYTES:
-        raise DecodeError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+def decode_header(frame: bytes | memoryview, limit: int = MAX_HEADER_BYTES) -> Message:
+    """Decode a header frame of at most ``limit`` bytes; raises :class:`DecodeError` or
+    :class:`VersionMismatch` with a reason that names the problem. Never evaluates anything but
+    msgpack scalars and containers."""
+    if len(frame) > limit:
+        raise DecodeError(f"header of {len(frame)} bytes exceeds {limit}")
     try:
         obj = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad input

@@ -13,7 +13,19 @@ import numpy as np
 import zmq
 
 from ..errors import TransferdError, VersionMismatch
-from ..protocol.messages import Data, DataBatch, DataRef, DataRefs, Done, Fail, Ping, Pong, Register, decode_header
+from ..protocol.messages import (
+    MAX_INBOUND_HEADER_BYTES,
+    Data,
+    DataBatch,
+    DataRef,
+    DataRefs,
+    Done,
+    Fail,
+    Ping,
+    Pong,
+    Register,
+    decode_header,
+)
 from ..protocol.receiver_core import DecodeRoom, Peer
 from ..protocol.stream import hello_key
 from ..transport.data_stream import StreamReader, Target
@@ -61,7 +73,7 @@ class DataPath:
             self.rx.refuse("malformed", "message without a header frame", ident)
             return
         try:
-            msg = decode_header(frames[1].buffer)
+            msg = decode_header(frames[1].buffer, MAX_INBOUND_HEADER_BYTES)  # refused on its size alone
         except TransferdError as exc:
             register = isinstance(exc, VersionMismatch) and exc.msg_type == "register"
             core.undecodable(ident, exc.code, str(exc), register=register)
