@@ -444,6 +444,30 @@ def test_the_decode_client(receiver: tuple[Served, FakeReceiver]) -> None:
     dc.close()
 
 
+def test_a_wait_timeout_that_is_nan_negative_infinite_or_over_a_day_is_refused(
+        receiver: tuple[Served, FakeReceiver]) -> None:
+    s, fake = receiver
+    dc = DecodeClient(s.srv.bound, timeout_s=20)
+    assert dc.expect(1, "g", [1], aux_slot=0) == WAITING
+    bad = {float("nan"): "a finite non-negative number of seconds, not nan",
+           -1: "a finite non-negative number of seconds, not -1",
+           float("inf"): "a finite non-negative number of seconds, not inf",
+           1e300: "at most 86400 seconds, not 1e+300",  # the client once died here: OverflowError in poll
+           1 << 63: f"at most 86400 seconds, not {1 << 63}"}
+    for timeout, says in bad.items():
+        # the client refuses it before sending; sent raw, the daemon refuses it with the same words
+        with pytest.raises(BadRequest) as client:
+            dc.wait(1, "g", timeout_s=timeout)
+        with pytest.raises(BadRequest) as daemon:
+            dc.call("wait", room=1, group="g", timeout_s=timeout)
+        assert str(client.value) == str(daemon.value) == f"timeout_s must be {says}"
+        many = dc.wait_many([(1, "g")], timeout_s=timeout)
+        assert len(many) == 1 and isinstance(many[0], BadRequest) and str(many[0]) == f"timeout_s must be {says}"
+    assert s.srv.refused == {"engine_bad_request": len(bad)}
+    assert not [c for c in fake.calls if c[0] == "wait"]  # no wait reached the receiver
+    dc.close()
+
+
 def test_the_prefill_client(sender: tuple[Served, FakeSender]) -> None:
     import numpy as np
 

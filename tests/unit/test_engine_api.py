@@ -23,6 +23,7 @@ from transferd.protocol.engine_api import (
     BATCHABLE,
     LOCAL_API_VERSION,
     MAX_BATCH,
+    MAX_TIMEOUT_S,
     RECEIVER_OPS,
     SENDER_OPS,
     Batch,
@@ -222,6 +223,13 @@ FIELD_REFUSALS: list[tuple[str, Any, dict[str, Any], str]] = [
      "timeout_s must be a finite non-negative number of seconds, not True"),
     ("wait", RECEIVER_OPS, dict(room=1, group="g", timeout_s=1 << 64),
      f"timeout_s must be a finite non-negative number of seconds, not {1 << 64}"),
+    ("wait", RECEIVER_OPS, dict(room=1, group="g", timeout_s=1e300), "timeout_s must be at most 86400 seconds, not 1e+300"),
+    ("wait", RECEIVER_OPS, dict(room=1, group="g", timeout_s=1 << 63),
+     f"timeout_s must be at most 86400 seconds, not {1 << 63}"),
+    ("wait", SENDER_OPS, dict(room=1, timeout_s=86400.5), "timeout_s must be at most 86400 seconds, not 86400.5"),
+    ("wait", SENDER_OPS, dict(room=1, timeout_s=-0.5), "timeout_s must be a finite non-negative number of seconds, not -0.5"),
+    ("wait", SENDER_OPS, dict(room=1, timeout_s=float("-inf")),
+     "timeout_s must be a finite non-negative number of seconds, not -inf"),
     ("abort", RECEIVER_OPS, dict(room=1, group="g", reason=5), "reason must be a string, not 5"),
     ("abort", RECEIVER_OPS, dict(room=1, group="g", reason=None), "reason must be a string, not None"),
     ("release", RECEIVER_OPS, dict(room=1, group="g", reason="x"), "release: unknown field 'reason'"),
@@ -249,6 +257,16 @@ def test_every_field_is_checked_with_its_message(op: str, served: Any, fields: d
     exc = refused(wire(op, **fields), served)
     assert type(exc) is BadRequest and exc.code == "bad_request"
     assert str(exc) == message
+
+
+@pytest.mark.parametrize("timeout", [0, 0.0, 2.5, MAX_TIMEOUT_S, float(MAX_TIMEOUT_S)])
+def test_a_wait_takes_any_timeout_from_zero_to_a_day(timeout: float) -> None:
+    assert MAX_TIMEOUT_S == 86400  # docs/PROTOCOL.md §17 quotes it
+    for req, served in ((wire("wait", room=1, group="g", timeout_s=timeout), RECEIVER_OPS),
+                        (wire("wait", room=1, timeout_s=timeout), SENDER_OPS)):
+        got = parse_request(req, served)
+        assert isinstance(got, (ReceiverWait, SenderWait))
+        assert type(got.timeout_s) is float and got.timeout_s == timeout
 
 
 def test_the_first_bad_field_in_wire_order_is_named() -> None:

@@ -34,6 +34,10 @@ MAX_BATCH = 65536
 ROW_LIMIT = 1 << 62
 """Page and slot indices are below this (any pool's row count is)."""
 
+MAX_TIMEOUT_S = 86400
+"""The longest ``timeout_s`` a ``wait`` takes: a day. The room clocks end a room long before (their
+defaults are minutes); an engine that wants to wait longer calls ``wait`` again."""
+
 _UNVERSIONED = 1
 """The version a map without ``"v"`` is read as: version 1 never sent one."""
 
@@ -84,8 +88,12 @@ def boolean(v: Any, what: str) -> bool:
 
 
 def seconds(v: Any, what: str) -> float:
+    """A wait's timeout: NaN, a negative number and infinity are refused, and so is anything over
+    :data:`MAX_TIMEOUT_S` (the client could not wait for its reply, uvloop would cap it silently)."""
     if not ((type(v) is int and 0 <= v < 1 << 64) or (type(v) is float and math.isfinite(v) and v >= 0)):
         raise BadRequest(f"{what} must be a finite non-negative number of seconds, not {v!r}")
+    if v > MAX_TIMEOUT_S:
+        raise BadRequest(f"{what} must be at most {MAX_TIMEOUT_S} seconds, not {v!r}")
     return float(v)
 
 
