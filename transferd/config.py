@@ -81,9 +81,39 @@ class ReceiverConfig:
     metrics_bind: str = "127.0.0.1:9464"  # Prometheus endpoint ("" = off; port 0 = any free port)
     curve_secret_key: str = ""  # this receiver's CURVE key pair (transferd keygen); "" = no encryption
     curve_allow_dir: str = ""  # public keys of the senders allowed in (required with curve_secret_key)
+    # the prefill groups this receiver admits, "NAME:CP_SIZE[:SPLIT[:dedup|nodedup]]" (split
+    # default "pages", dedup on); () = any group, the first rank to register fixes its settings
+    groups: tuple[str, ...] = ()
 
     def expand(self, s: str, run_dir: str) -> str:
         return s.format(name=self.name, run_dir=run_dir)
+
+    def admitted(self) -> dict[str, tuple[int, SplitMode, bool]] | None:
+        """``groups`` parsed: name -> (cp_size, split, dedup); None for an open receiver."""
+        if not self.groups:
+            return None
+        out: dict[str, tuple[int, SplitMode, bool]] = {}
+        for entry in self.groups:
+            parts = entry.split(":")
+            where = f"receiver.groups entry {entry!r}"
+            if not 2 <= len(parts) <= 4:
+                raise ConfigError(f"{where} must read NAME:CP_SIZE[:SPLIT[:dedup|nodedup]]")
+            name = parts[0]
+            if not NAME_RE.match(name):
+                raise ConfigError(f"{where}: group name {name!r} must be 1-64 letters, digits, '_', '.', '-'")
+            if name in out:
+                raise ConfigError(f"{where}: group {name} is listed twice")
+            try:
+                cp = int(parts[1])
+            except ValueError:
+                raise ConfigError(f"{where}: cp_size {parts[1]!r} is not an integer") from None
+            if not 1 <= cp <= 1024:
+                raise ConfigError(f"{where}: cp_size must lie in [1, 1024], not {cp}")
+            split = SplitMode.parse(parts[2], ConfigError) if len(parts) > 2 else SplitMode.PAGES
+            if len(parts) > 3 and parts[3] not in ("dedup", "nodedup"):
+                raise ConfigError(f"{where}: the fourth field must be dedup or nodedup, not {parts[3]!r}")
+            out[name] = (cp, split, len(parts) < 4 or parts[3] == "dedup")
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +258,7 @@ class Config:
         if s.checksum not in CHECKSUMS:
             raise ConfigError(f"sender.checksum must be one of {', '.join(CHECKSUMS)}, not {s.checksum!r}")
         r, f = self.receiver, self.faults
+        r.admitted()  # raises on a bad receiver.groups entry
         if not 0 <= r.stream_port <= 65535:
             raise ConfigError(f"receiver.stream_port must lie in [0, 65535], not {r.stream_port}")
         _at_least(0, True, r.stall_timeout_s, "receiver.stall_timeout_s", r.bootstrap_timeout_s,

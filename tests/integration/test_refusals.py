@@ -10,7 +10,7 @@ from transferd.errors import BadRequest, IndexOutOfRange, RoomExists, UnknownRoo
 from transferd.protocol.room import RoomState
 
 from .harness import MODEL, Cluster, fill_random, write_guard
-from .rooms import expect, make_room
+from .rooms import expect, make_room, mismatches, submit_all
 
 
 def test_incompatible_layout_is_refused_with_the_difference(cluster: Cluster) -> None:
@@ -31,6 +31,39 @@ def test_inconsistent_group_settings_are_refused(cluster: Cluster) -> None:
     pcs, _ = cluster.group("prefill0", 3, [ep], wait=False, ranks=[2], pool=f"{cluster.tag}-other-r{{rank}}")
     st = cluster.until(lambda: (s := pcs[0].status()["receivers"][0])["state"] == "refused" and s, "refusal")
     assert "cp_size 2" in st["reason"] and "cp_size 3" in st["reason"]
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["open", "receiver.groups"])
+def test_a_group_squatter_locks_out_an_open_receiver_not_a_configured_one(cluster: Cluster,
+                                                                          configured: bool) -> None:
+    """Issue 13 item 6: a peer that registers ``prefill0`` first with another cp_size fixes the
+    group's settings on an open receiver, locking the real group out; a receiver whose
+    configuration names its groups refuses the squatter and serves the real group."""
+    ep, dc, dpool = cluster.receiver(**({"groups": ["prefill0:2"]} if configured else {}))
+    squat, _ = cluster.group("prefill0", 3, [ep], wait=False, ranks=[2], pool=f"{cluster.tag}-squat-r{{rank}}")
+    st = cluster.until(lambda: (s := squat[0].status()["receivers"][0])["state"] in ("registered", "refused") and s,
+                       "the squatter's registration to be answered")
+    if not configured:
+        assert st["state"] == "registered"
+        pcs, _ = cluster.group("prefill0", 2, [ep], wait=False)
+        st = cluster.until(lambda: (s := pcs[0].status()["receivers"][0])["state"] == "refused" and s, "lock-out")
+        assert "cp_size 3" in st["reason"] and "cp_size 2" in st["reason"], st["reason"]
+        return
+    assert st["state"] == "refused" and "configured here with cp_size 2" in st["reason"], st
+    assert dc.stats()["refused"] == {"inconsistent_group": 1}
+    pcs, spools = cluster.group("prefill0", 2, [ep])
+    for i, p in enumerate(spools):
+        fill_random(p, 60 + i)
+    r = make_room(90, "prefill0", 9, 2, spools=spools)
+    before = [rows.copy() for rows in dpool.rows]
+    expect(dc, r)
+    submit_all(pcs, r)
+    assert dc.wait(r.room, "prefill0", 30).state is RoomState.SUCCESS
+    assert mismatches(r, dpool, spools, "pages", before) == 0
+    stranger, _ = cluster.group("elsewhere", 1, [ep], wait=False, pool=f"{cluster.tag}-else-r{{rank}}")
+    st = cluster.until(lambda: (s := stranger[0].status()["receivers"][0])["state"] == "refused" and s, "refusal")
+    assert "group elsewhere is not admitted here (receiver.groups names prefill0)" in st["reason"], st
+    assert dc.stats()["refused"] == {"inconsistent_group": 1, "unknown_group": 1}
 
 
 def test_engine_requests_are_validated_before_anything_moves(cluster: Cluster) -> None:

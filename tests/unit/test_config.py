@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +385,29 @@ def test_load_unknown_key_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'cp_sise'") as info:
         load(p, env={})
     assert str(p) in str(info.value)
+
+
+@pytest.mark.parametrize(("groups", "error"), [
+    (["prefill0"], "must read NAME:CP_SIZE"),
+    (["prefill0:4:pages:dedup:x"], "must read NAME:CP_SIZE"),
+    (["bad name:4"], "group name 'bad name' must be"),
+    (["p:four"], "cp_size 'four' is not an integer"),
+    (["p:0"], "cp_size must lie in [1, 1024], not 0"),
+    (["p:2:diagonal"], "split mode must be one of pages, layers, rank0"),
+    (["p:2:pages:maybe"], "must be dedup or nodedup"),
+    (["p:2", "p:4"], "group p is listed twice"),
+])
+def test_receiver_groups_are_validated(groups: list[str], error: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        from_mapping({"receiver": {"groups": groups}}, "<t>", env={})
+
+
+def test_receiver_groups_parse_with_defaults() -> None:
+    from transferd.types import SplitMode
+
+    cfg = from_mapping({"receiver": {"groups": ["prefill0:4", "p1:8:layers", "p2:2:pages:nodedup"]}}, "<t>", env={})
+    assert cfg.receiver.admitted() == {"prefill0": (4, SplitMode.PAGES, True), "p1": (8, SplitMode.LAYERS, True),
+                                       "p2": (2, SplitMode.PAGES, False)}
+    assert from_mapping({}, "<t>", env={}).receiver.admitted() is None
+    env = {"TRANSFERD_RECEIVER_GROUPS": "a:1,b:2:rank0"}
+    assert set(from_mapping({}, "<t>", env=env).receiver.admitted() or {}) == {"a", "b"}

@@ -165,6 +165,34 @@ def test_inconsistent_group() -> None:
     assert r.code == "inconsistent_group" and "registered with cp_size 2" in r.reason
 
 
+def test_a_configured_receiver_admits_only_its_groups_with_their_settings() -> None:
+    """Issue 13 item 6: on an open receiver the first rank to register fixes a group's settings,
+    so a squatter registering ``g`` with another cp_size locks the real group out; a receiver
+    configured with receiver.groups refuses the squatter and admits the real group."""
+    from transferd.types import SplitMode
+
+    open_core = core()
+    join(open_core, 0, cp=4, group="g")  # the squatter comes first
+    open_core.drain()
+    assert open_core.register(ident(0, inc=1), register_msg(rank=0, cp=2), T0) is None
+    assert refusals(open_core.drain()) == ["inconsistent_group"]  # the real group is locked out
+    c = core(admit={"g": (2, SplitMode.PAGES, True), "h": (1, SplitMode.LAYERS, False)})
+    assert c.register(ident(0, inc=9), register_msg(rank=0, cp=4), T0) is None  # the squatter
+    (r,) = of(c.drain(), Refuse)
+    assert r.code == "inconsistent_group"
+    assert r.reason == ("registration of g rank 0: group g is configured here with cp_size 2 split pages dedup on; "
+                        "rank 0 says cp_size 4 split pages dedup on")
+    assert c.register(b"stranger", register_msg(group="other", rank=0, cp=1), T0) is None
+    (r,) = of(c.drain(), Refuse)
+    assert r.code == "unknown_group" and "group other is not admitted here (receiver.groups names g, h)" in r.reason
+    assert c.register(b"x", register_msg(group="h", rank=0, cp=1, split="layers"), T0) is None  # dedup differs
+    assert refusals(c.drain()) == ["inconsistent_group"]
+    p0, p1 = join(c, 0, cp=2), join(c, 1, cp=2)  # the real group
+    assert c.groups["g"].ranks == {0: p0.ident, 1: p1.ident}
+    assert isinstance(c.register(b"y", register_msg(group="h", rank=0, cp=1, split="layers", dedup=False), T0),
+                      Admission)
+
+
 def test_same_host_candidate_needs_the_same_boot_id_and_the_setting() -> None:
     assert core().register(b"x", register_msg(pool="p", boot_id="boot-a"), T0).same_host_pool == "p"  # type: ignore[union-attr]
     assert core().register(b"x", register_msg(pool="p", boot_id="boot-b"), T0).same_host_pool == ""  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ landed (:meth:`landed`). Every clock value is an argument; the core reads none.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -169,6 +169,8 @@ class Settings:
     boot_id: str = ""  # this host's boot id ("" = unknown: no same-host plane)
     stream_port: int = 0  # the data-stream port offered to senders (0 = no data streams)
     mooncake: bool = False  # this receiver reads with Mooncake Transfer Engine (data_plane = "mooncake")
+    admit: Mapping[str, tuple[int, SplitMode, bool]] | None = None  # receiver.groups: name -> (cp_size, split,
+    # dedup) of the only groups admitted; None = any group (its first rank fixes its settings)
 
 
 # -- the core ----------------------------------------------------------------------------------
@@ -253,6 +255,17 @@ class ReceiverCore:
         if msg.rank >= msg.cp_size:
             refuse(f"rank {msg.rank} is outside cp_size {msg.cp_size}", "bad_rank")
             return None
+        if self.s.admit is not None:  # a configured receiver: only its groups, with their settings
+            rule = self.s.admit.get(msg.group)
+            if rule is None:
+                refuse(f"group {msg.group} is not admitted here (receiver.groups names "
+                       f"{', '.join(sorted(self.s.admit))})", "unknown_group")
+                return None
+            if rule != (msg.cp_size, split, msg.dedup):
+                refuse(f"group {msg.group} is configured here with cp_size {rule[0]} split {rule[1].value} dedup "
+                       f"{'on' if rule[2] else 'off'}; rank {msg.rank} says cp_size {msg.cp_size} split "
+                       f"{split.value} dedup {'on' if msg.dedup else 'off'}", "inconsistent_group")
+                return None
         # the fingerprint first (the vLLM order): a peer of another layout is refused on it, its
         # layout decoded only to explain why; a matching one must still send the layout it names
         problem = self._layout_problem(msg, msg.fingerprint == self.fingerprint)

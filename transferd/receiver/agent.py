@@ -93,7 +93,8 @@ class Receiver(AgentBase):
             heartbeat_interval_s=r.heartbeat_interval_s, heartbeat_misses=r.heartbeat_misses,
             bootstrap_timeout_s=r.bootstrap_timeout_s, waiting_timeout_s=r.waiting_timeout_s,
             stall_timeout_s=r.stall_timeout_s, same_host=r.same_host != AutoOff.OFF, boot_id=host_boot_id(),
-            stream_port=stream_port, mooncake=self.reader is not None), self.layout, random.getrandbits(62) | 1)
+            stream_port=stream_port, mooncake=self.reader is not None, admit=r.admitted()), self.layout,
+            random.getrandbits(62) | 1)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
