@@ -43,7 +43,7 @@ from ..protocol.receiver_core import (
 )
 from ..protocol.room import RoomRequest, RoomState, RoomStatus
 from ..protocol.stream import KEY_BYTES
-from ..transport.curve import is_wildcard, load_keypair, watch_handshakes
+from ..transport.curve import DISCONNECTED, is_wildcard, load_keypair, watch_handshakes
 from ..transport.data_stream import StreamReader, StreamServer, stream_host
 from ..transport.local_api import LocalApiServer
 from ..transport.loop_socket import LoopSocket, configure
@@ -106,6 +106,8 @@ class Receiver(AgentBase):
         self.router = self.zctx.socket(zmq.ROUTER)
         configure(self.router)
         self._setup_curve()
+        self.spawn(watch_handshakes(self.router, self.ctx, self._socket_event,
+                                    handshakes=bool(self.rcfg.curve_secret_key), disconnects=True), "socket monitor")
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, self.rcfg.max_frame_bytes)  # bigger: peer disconnected
         self.router.setsockopt(zmq.SNDHWM, self.rcfg.send_hwm)
@@ -167,11 +169,22 @@ class Receiver(AgentBase):
         self.router.curve_secretkey = secret
         self.router.curve_publickey = public
         self.router.curve_server = True
-        self.spawn(watch_handshakes(self.router, self.ctx, self._handshake_failed), "handshakes")
         log.info("%s: CURVE on; senders allowed from the public keys in %s", self.name, r.curve_allow_dir)
 
-    def _handshake_failed(self, kind: str, what: str) -> None:
-        self.refuse(kind, f"a sender was refused at the security handshake: {what}")
+    def _socket_event(self, kind: str, what: str) -> None:
+        """The ROUTER's monitor: a failed security handshake is a refusal; a lost connection is
+        counted (``dropped[connection_lost]``) and logged (the first few, then every 100th): a
+        sender that stopped or died, or a frame over ``max_frame_bytes`` that ZeroMQ dropped with
+        its connection (the only trace such a frame leaves; the sender reconnects)."""
+        if kind != DISCONNECTED:
+            self.refuse(kind, f"a sender was refused at the security handshake: {what}")
+            return
+        self.acct.dropped["connection_lost"] += 1
+        n = self.acct.dropped["connection_lost"]
+        if n <= 5 or n % 100 == 0:
+            log.warning("%s: %s (%d so far): a sender stopped or died, or sent a frame over receiver.max_frame_bytes "
+                        "(%d bytes), which ZeroMQ drops with its connection", self.name, what, n,
+                        self.rcfg.max_frame_bytes)
 
     async def _close(self) -> None:
         self.core.shutdown(time.monotonic())

@@ -1,4 +1,4 @@
-"""CURVE security for the ZeroMQ sockets: key files, the handshake monitor, wildcard binds."""
+"""CURVE security for the ZeroMQ sockets: key files, the handshake (and connection) monitor, wildcard binds."""
 
 from __future__ import annotations
 
@@ -18,22 +18,37 @@ HANDSHAKE_FAILURES: dict[int, str] = {
 }
 
 
+DISCONNECTED = "disconnected"
+
+
 async def watch_handshakes(sock: zmq.Socket[Any], ctx: zmq.asyncio.Context,
-                           on_fail: Callable[[str, str], None]) -> None:
-    """Report failed ZeroMQ security handshakes on ``sock`` (socket monitor events, read through
-    an asyncio socket of ``ctx``, which shares ``sock``'s ZeroMQ context)."""
+                           on_fail: Callable[[str, str], None], *, handshakes: bool = True,
+                           disconnects: bool = False) -> None:
+    """Report failed ZeroMQ security handshakes on ``sock`` and, with ``disconnects``, every
+    connection it loses (``on_fail("disconnected", ...)``: a peer that closed or died, or one
+    ZeroMQ dropped for a frame over MAXMSGSIZE — the socket cannot tell which). Socket monitor
+    events, read through an asyncio socket of ``ctx``, which shares ``sock``'s ZeroMQ context;
+    libzmq allows one monitor per socket, so this is the only one."""
     from zmq.utils.monitor import parse_monitor_message
 
     addr = f"inproc://transferd-monitor-{id(sock):x}-{os.getpid()}"
-    sock.monitor(addr, zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    events = 0
+    if handshakes:
+        events |= zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    if disconnects:
+        events |= zmq.EVENT_DISCONNECTED
+    sock.monitor(addr, events)
     mon = ctx.socket(zmq.PAIR)
     mon.connect(addr)
     try:
         while True:
             ev = parse_monitor_message(await mon.recv_multipart())
+            where = ev["endpoint"].decode(errors="replace")
+            if int(ev["event"]) == zmq.EVENT_DISCONNECTED:
+                on_fail(DISCONNECTED, f"a connection to {where} ended")
+                continue
             kind = HANDSHAKE_FAILURES.get(int(ev["event"]), "handshake")
-            on_fail(kind, f"{kind} failure on {ev['endpoint'].decode(errors='replace')} (code {ev['value']})")
+            on_fail(kind, f"{kind} failure on {where} (code {ev['value']})")
     finally:
         if not sock.closed:
             sock.disable_monitor()
