@@ -1744,3 +1744,40 @@ def test_a_garbage_flood_is_counted_in_full_and_logged_in_a_few_lines(guard: Env
     assert env.refused()["decode"] == before.get("decode", 0) + 200 + n  # every one counted
     assert env.log_lines("decode") - logs <= 5  # the first five lines of this peer and reason, no more
     assert rss1 - rss0 < 4096, f"RSS grew {rss1 - rss0} kB over {n} refused messages"
+
+
+def test_answers_to_a_peer_that_left_are_counted_and_logged_in_a_few_lines(guard: Env) -> None:
+    """A stranger sends thousands of registrations the receiver must refuse and answer, then
+    leaves at once: the answers to those the receiver had already taken find no peer. Every one
+    is counted (dropped[send_...]), but only the first few are logged, then summed up (as
+    refusals are: daemon/ratelog.py), so a hit-and-run flood cannot fill the journal. (Before:
+    one WARNING line per unsent answer.)"""
+    env = guard
+    text0 = len(env.proc.log.read_text(errors="replace"))
+    dropped0 = dict(env.dc.stats()["dropped"])
+    bad = pack(register_header("hitandrun", 5, 2))  # rank 5 of cp_size 2: refused bad_rank, answered
+
+    def unsent() -> int:
+        d = delta(env.dc.stats()["dropped"], dropped0)
+        return sum(v for k, v in d.items() if k.startswith("send_"))
+
+    for _ in range(5):  # how many answers find the peer gone depends on timing: until a few did
+        f = env.fake("hitandrun")
+        for _ in range(5000):
+            f.send(bad)
+        f.sock.close(linger=30_000)  # every register goes out, then the peer is gone
+        env.fakes.remove(f)
+        # what was still queued towards the receiver when the peer left goes with its connection
+        seen = [-1]
+
+        def settled() -> bool:
+            now = env.refused().get("bad_rank", 0)
+            done, seen[0] = now == seen[0], now
+            time.sleep(0.5)  # sampling interval, not a wait for an event
+            return done
+        env.until(settled, "the refusals to settle")
+        if unsent() > 5:
+            break
+    lines = env.proc.log.read_text(errors="replace")[text0:].count("could not send")
+    assert unsent() > 5, f"only {unsent()} answers failed: the case is not shown"
+    assert lines <= 6, f"{lines} log lines for {unsent()} unsent answers"  # five, and a summary once a window ended

@@ -29,9 +29,10 @@ class _Entry:
 
 class RefusalLog:
     def __init__(self, log: logging.Logger, name: str, *, burst: int = BURST, window_s: float = WINDOW_S,
-                 max_keys: int = MAX_KEYS) -> None:
+                 max_keys: int = MAX_KEYS, head: str = "refused ({code}) from {peer}") -> None:
         self.log = log
         self.name = name
+        self.head = head  # what a line says before its reason: the code and the peer filled in
         self.burst = burst
         self.window_s = window_s
         self.max_keys = max_keys
@@ -55,7 +56,7 @@ class RefusalLog:
             self.lines += 1
             more = (f" (the {self.burst}th in {now - e.start:.0f} s: further ones from this peer for this reason are "
                     f"counted and summed up every {self.window_s:.0f} s)") if e.logged == self.burst else ""
-            self.log.warning("%s: refused (%s) from %s: %s%s", self.name, code, key[0], why, more)
+            self.log.warning("%s: %s: %s%s", self.name, self.head.format(code=code, peer=key[0]), why, more)
         else:
             e.suppressed += 1
             e.last_why = why
@@ -63,8 +64,8 @@ class RefusalLog:
     def _summary(self, key: tuple[str, str], e: _Entry) -> None:
         if e.suppressed:
             self.lines += 1
-            self.log.warning("%s: refused (%s) from %s: %d more not logged in the last %.0f s (last: %s)",
-                             self.name, key[1], key[0], e.suppressed, self.window_s, e.last_why)
+            self.log.warning("%s: %s: %d more not logged in the last %.0f s (last: %s)", self.name,
+                             self.head.format(code=key[1], peer=key[0]), e.suppressed, self.window_s, e.last_why)
             e.suppressed = 0
 
     def flush(self, now: float) -> None:

@@ -72,6 +72,7 @@ class Receiver(AgentBase):
         self.incarnation = random.getrandbits(63)
         self.acct = Accounting()
         self.refusals = RefusalLog(log, self.name)
+        self.send_fails = RefusalLog(log, self.name, head="could not send to {peer} ({code})")
         self.data_endpoint = ""
         self.engine_endpoint = ""
         self.streams: StreamServer | None = None
@@ -226,8 +227,9 @@ class Receiver(AgentBase):
             err = zmq.strerror(zmq.EAGAIN)
         except zmq.ZMQError as exc:
             err = zmq.strerror(exc.errno or 0)
-        self.acct.dropped[f"send_{err.replace(' ', '_').lower()}"] += 1
-        log.warning("%s: could not send %s to %r: %s", self.name, type(msg).__name__, ident, err)
+        code = f"send_{err.replace(' ', '_').lower()}"
+        self.acct.dropped[code] += 1  # every one counted; its log line rate-limited like refusals
+        self.send_fails.refused(code, repr(ident), f"{type(msg).__name__} not sent: {err}", time.monotonic())
 
     def refuse(self, code: str, why: str, ident: bytes = b"") -> None:
         self.acct.refused[code] += 1  # every refusal is counted; its log line is rate-limited
@@ -357,6 +359,7 @@ class Receiver(AgentBase):
             self.core.tick(now)
             self.act()
             self.refusals.flush(now)
+            self.send_fails.flush(now)
 
     def _watch_streams(self, now: float) -> None:
         """Bytes arriving on a peer's data stream are progress of its connection, even inside
