@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -36,3 +37,23 @@ def keep_message_buffers_mapped() -> bool:
     ok = bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     log.debug("malloc thresholds: trim %d, mmap %d (%s)", TRIM_THRESHOLD, MMAP_THRESHOLD, "set" if ok else "refused")
     return ok
+
+
+_trim: Any = None
+
+
+def trim_freed_heap() -> bool:
+    """Give the heap's free pages back to the kernel (glibc ``malloc_trim(0)``): what
+    :func:`keep_message_buffers_mapped` keeps for transfers, returned while a daemon is idle, so
+    that bursts of short-lived connections (garbage from many identities) do not leave the RSS
+    at their high-water mark. False where there is no glibc."""
+    global _trim
+    if _trim is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _trim = libc.malloc_trim
+            _trim.argtypes = [ctypes.c_size_t]
+            _trim.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _trim = False
+    return bool(_trim and _trim(0))

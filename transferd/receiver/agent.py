@@ -25,6 +25,7 @@ from .. import __version__
 from ..config import Config
 from ..daemon.accounting import Accounting
 from ..daemon.base import AgentBase
+from ..daemon.malloc import trim_freed_heap
 from ..daemon.ratelog import RefusalLog
 from ..errors import ConfigError, TransferdError
 from ..layout import PoolLayout, layout_difference
@@ -53,6 +54,7 @@ from . import api
 from .data import DataPath
 
 log = logging.getLogger(__name__)
+TRIM_IDLE_EVERY_S = 10.0  # with no room held, give freed heap back at most this often
 
 
 def _settle_none(fut: asyncio.Future[None]) -> None:
@@ -80,6 +82,7 @@ class Receiver(AgentBase):
         self.planes: dict[int, tuple[Peer, ReceiverPlane]] = {}  # id(peer) -> its same-host or Mooncake plane
         self.reader: Reader | None = None  # Mooncake TE reads (receiver.data_plane = "mooncake")
         self.streams_of: dict[int, tuple[Peer, StreamReader]] = {}  # id(peer) -> its open data stream
+        self._trimmed = 0.0  # when the freed heap was last given back (idle ticks only)
         self._rx_mark: dict[int, tuple[int, float]] = {}  # id(stream reader) -> (bytes read, when last seen)
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}  # room token -> engines waiting for its end
         self.metrics_bind = self.rcfg.metrics_bind
@@ -360,6 +363,9 @@ class Receiver(AgentBase):
             self.act()
             self.refusals.flush(now)
             self.send_fails.flush(now)
+            if now - self._trimmed >= TRIM_IDLE_EVERY_S and not self.core.rooms:
+                self._trimmed = now  # idle: the freed heap goes back (bursts of garbage connections)
+                trim_freed_heap()
 
     def _watch_streams(self, now: float) -> None:
         """Bytes arriving on a peer's data stream are progress of its connection, even inside
