@@ -35,7 +35,7 @@ from ..errors import DecodeError, VersionMismatch
 #       would take such a register for a Mooncake offer, so the versions do not mix.
 PROTOCOL_VERSION = 5
 MAX_TE_SESSION = 255  # "host:port" of an engine, or a NIXL agent's name; longer is hostile
-MAX_NIXL_MD = 256 * 1024  # a NIXL agent's metadata (~0.5 KiB on TCP for a pool's three buffers); more is hostile
+MAX_NIXL_MD = 1 << 20  # a NIXL agent's metadata: ~45 bytes a buffer per transport on TCP; more is hostile
 
 MAX_CP_SIZE = 1024
 DATA_TAG = 1
