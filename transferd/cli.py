@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-' for stdout)")
     p.add_argument("--same-host", choices=["auto", "off"],
                    help="auto: the receiver reads the senders' pools directly (one copy); off: all data over ZeroMQ")
-    p.add_argument("--data-plane", choices=["auto", "mooncake"],
+    p.add_argument("--data-plane", choices=["auto", "mooncake", "nixl"],
                    help="mooncake: every daemon moves the rows with Mooncake Transfer Engine (TCP on this host); "
+                        "nixl: with NIXL (UCX on this host); "
                         "auto: today's choice (same-host, data stream, ZeroMQ)")
     p.add_argument("--fault", action="append", metavar="SPEC",
                    help="inject a fault while rooms run (repeatable): kill-sender:R, restart-receiver, "

@@ -68,12 +68,17 @@ class ReceiverConfig:
     same_host: AutoOff = AutoOff.AUTO  # read same-host senders' pools directly ("auto") or never ("off")
     data_stream: AutoOff = AutoOff.AUTO  # offer senders a plain TCP data stream ("auto": tcp:// bind, no CURVE) or not ("off")
     stream_port: int = 0  # the data stream's TCP port on the bind address (0 = any free port)
-    data_plane: DataPlane = DataPlane.AUTO  # "mooncake": read the rows of senders that offer it with Mooncake TE
+    data_plane: DataPlane = DataPlane.AUTO  # "mooncake"/"nixl": read the rows of senders that offer it with that engine
     mooncake_protocol: str = "tcp"  # Mooncake TE transport: "tcp" (tested here) or "rdma" (RDMA NICs)
     mooncake_device: str = ""  # RDMA device names, comma-separated ("" = Mooncake picks every device)
     mooncake_hostname: str = ""  # the address peers reach this engine at ("" = the bind address's host)
     mooncake_batch_entries: int = 512  # reads per engine batch (Mooncake's TCP queue rejects ~4096 at once)
     mooncake_reads_in_flight: int = 2  # engine batches running at once (entries × batches stays <= 2048)
+    nixl_ucx_devices: str = ""  # NIXL's UCX backend: devices it may use, e.g. "mlx5_0:1" ("" = UCX picks)
+    nixl_ucx_modules: str = "^efa"  # UCX_MODULES when the environment does not set it (docs/DATA-PLANES.md)
+    nixl_batch_entries: int = 1024  # reads per NIXL transfer request (runs consecutive on both sides are one)
+    nixl_reads_in_flight: int = 4  # NIXL transfer requests running at once
+    nixl_read_timeout_s: float = 30.0  # a NIXL read not done by then fails its room (transport_error)
     max_frame_bytes: int = 64 << 20
     send_hwm: int = 100_000
     recv_hwm: int = 32
@@ -139,10 +144,12 @@ class SenderConfig:
     shm_message_bytes: int = 16 << 20  # rows per data-refs message on the same-host path
     zero_copy: ZeroCopy = ZeroCopy.DIRECT  # "direct": rows handed to libzmq with no reference kept; "pyzmq": pyzmq frames
     data_stream: AutoOff = AutoOff.AUTO  # send data on the receiver's data stream when it offers one ("auto") or never ("off")
-    data_plane: DataPlane = DataPlane.AUTO  # "mooncake": offer the pool to receivers' Mooncake TE reads
+    data_plane: DataPlane = DataPlane.AUTO  # "mooncake"/"nixl": offer the pool to receivers' reads with that engine
     mooncake_protocol: str = "tcp"  # Mooncake TE transport: "tcp" (tested here) or "rdma" (RDMA NICs)
     mooncake_device: str = ""  # RDMA device names, comma-separated ("" = Mooncake picks every device)
     mooncake_hostname: str = ""  # the address receivers reach this engine at ("" = the route to the first receiver)
+    nixl_ucx_devices: str = ""  # NIXL's UCX backend: devices it may use, e.g. "mlx5_0:1" ("" = UCX picks)
+    nixl_ucx_modules: str = "^efa"  # UCX_MODULES when the environment does not set it (docs/DATA-PLANES.md)
     dedup: bool = True  # pages split: only rank 0 sends the replicated state; false: every rank does (the group agrees)
     drain_timeout_s: float = 30.0
     metrics_bind: str = "127.0.0.1:9470"  # Prometheus endpoint; the CP rank is added to the port
@@ -285,6 +292,7 @@ class Config:
             raise ConfigError(f"receiver.max_frame_bytes ({r.max_frame_bytes}) is below "
                               f"sender.max_message_bytes ({s.max_message_bytes})")
         _check_mooncake(self)
+        _check_nixl(self)
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
         g = self.sglang
@@ -338,6 +346,41 @@ def _check_mooncake(cfg: Config) -> None:
                           f"receiver.mooncake_batch_entries ({r.mooncake_batch_entries}) must lie in "
                           f"[1, {MOONCAKE_MAX_ENTRIES}]: Mooncake's TCP transport rejects a whole batch once its queue "
                           "is full")
+
+
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels' packages, the CUDA 12 one first (transferd[nixl])
+NIXL_MAX_ENTRIES = 65536  # entries of one NIXL transfer request (one descriptor list)
+_UCX_MODULES_RE = re.compile(r"^\^?[A-Za-z0-9_*]+(,[A-Za-z0-9_*]+)*$")
+
+
+def nixl_installed() -> bool:
+    """Whether a NIXL wheel is importable (``pip install 'transferd[nixl]'``)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in NIXL_MODULES)
+
+
+def _check_nixl(cfg: Config) -> None:
+    """The NIXL settings of both sections (docs/CONFIG.md)."""
+    r, s = cfg.receiver, cfg.sender
+    for side, c in (("receiver", r), ("sender", s)):
+        if c.nixl_ucx_devices and not _DEVICES_RE.match(c.nixl_ucx_devices):
+            raise ConfigError(f"{side}.nixl_ucx_devices {c.nixl_ucx_devices!r} must be UCX device names separated "
+                              "by commas (e.g. \"mlx5_0:1,mlx5_1:1\"), or empty for every device")
+        if c.nixl_ucx_modules and not _UCX_MODULES_RE.match(c.nixl_ucx_modules):
+            raise ConfigError(f"{side}.nixl_ucx_modules {c.nixl_ucx_modules!r} must be a UCX_MODULES list "
+                              "(module names separated by commas, \"^\" first to exclude them), or empty")
+        if c.data_plane is DataPlane.NIXL:
+            if c.curve_secret_key:
+                raise ConfigError(f"{side}.data_plane = \"nixl\" with {side}.curve_secret_key: NIXL (UCX) moves "
+                                  "the rows unencrypted; use one or the other")
+            if not nixl_installed():
+                raise ConfigError(f"{side}.data_plane = \"nixl\" needs NIXL: pip install 'transferd[nixl]'")
+    if not 1 <= r.nixl_batch_entries <= NIXL_MAX_ENTRIES:
+        raise ConfigError(f"receiver.nixl_batch_entries must lie in [1, {NIXL_MAX_ENTRIES}], not {r.nixl_batch_entries}")
+    if not 1 <= r.nixl_reads_in_flight <= 64:
+        raise ConfigError(f"receiver.nixl_reads_in_flight must lie in [1, 64], not {r.nixl_reads_in_flight}")
+    _at_least(0, True, r.nixl_read_timeout_s, "receiver.nixl_read_timeout_s")
 
 
 def _at_least(lo: float, strict: bool, *pairs: Any) -> None:

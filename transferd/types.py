@@ -57,14 +57,17 @@ class PlaneName(str, Enum):
     STREAM = "stream"  # records on a plain TCP data stream
     SAME_HOST = "same_host"  # the receiver copies the rows out of the sender's pool
     MOONCAKE = "mooncake"  # the receiver reads the rows out of the sender's pool with Mooncake Transfer Engine
+    NIXL = "nixl"  # the receiver reads the rows out of the sender's pool with a NIXL agent (UCX)
 
 
 class DataPlane(str, Enum):
     """The value of the ``data_plane`` setting: today's choice (same-host, stream, ZeroMQ), or
-    Mooncake Transfer Engine when both sides set it (``transport/planes/mooncake.py``)."""
+    Mooncake Transfer Engine or NIXL when both sides set it (``transport/planes/mooncake.py``,
+    ``transport/planes/nixl.py``)."""
 
     AUTO = "auto"
     MOONCAKE = "mooncake"
+    NIXL = "nixl"
 
 
 class AutoOff(str, Enum):

@@ -83,13 +83,13 @@ class Cluster:
     pools: list[Pool] = field(default_factory=list)
     killed: list[Proc] = field(default_factory=list)
     plane: str = "auto"
-    """``data_plane`` of every daemon: "mooncake" runs the suite over Mooncake TE (conftest.py)."""
+    """``data_plane`` of every daemon: "mooncake" or "nixl" runs the suite over that engine (conftest.py)."""
 
     def check_plane(self, stats: dict[str, Any]) -> None:
-        """Over Mooncake, every byte a daemon moved went through Mooncake TE reads (``stats``)."""
-        if self.plane == "mooncake":
+        """Over Mooncake or NIXL, every byte a daemon moved went through that engine's reads (``stats``)."""
+        if self.plane in ("mooncake", "nixl"):
             moved = sum(stats["bytes"].values())
-            assert stats["mooncake_bytes"] == moved, (stats["mooncake_bytes"], moved)
+            assert stats[f"{self.plane}_bytes"] == moved, (stats[f"{self.plane}_bytes"], moved)
 
     def _plane(self) -> dict[str, Any]:
         return {"data_plane": self.plane} if self.plane != "auto" else {}

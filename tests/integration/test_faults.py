@@ -241,11 +241,14 @@ def test_demo_fault_harness(tmp_path: Path, spec: str, reason: str | None) -> No
 @pytest.mark.parametrize("spec, reason", [
     ("kill-sender:1", "peer_lost"), ("restart-receiver", "receiver_restarted"), ("drop-frames:0.05", "incomplete"),
 ])
-def test_demo_fault_harness_over_mooncake(tmp_path: Path, plane_mooncake: str, spec: str, reason: str) -> None:
-    """The same faults with every row read by Mooncake TE (cp 2: the dropped data-refs, the
-    killed sender's reads and the restarted receiver's engine)."""
-    s = _demo_fault(tmp_path, spec, reason, "--data-plane", "mooncake", "--cp-size", "2")
-    assert s["bytes_by_path"]["mooncake"] == sum(s["wire_bytes"].values()) > 0, s["bytes_by_path"]
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_demo_fault_harness_over_an_engine_plane(tmp_path: Path, request: pytest.FixtureRequest, engine: str,
+                                                 spec: str, reason: str) -> None:
+    """The same faults with every row read by the receiver's engine, Mooncake TE or NIXL (cp 2:
+    the dropped data-refs, the killed sender's reads and the restarted receiver's engine)."""
+    request.getfixturevalue(f"plane_{engine}")  # skips here without the wheel, fails under CI
+    s = _demo_fault(tmp_path, spec, reason, "--data-plane", engine, "--cp-size", "2")
+    assert s["bytes_by_path"][engine] == sum(s["wire_bytes"].values()) > 0, s["bytes_by_path"]
 
 
 def _demo_fault(tmp_path: Path, spec: str, reason: str | None, *extra: str) -> dict:

@@ -871,7 +871,7 @@ def test_a_header_over_16_mib_is_a_decode_error(guard: Env) -> None:
 def test_huge_registers_from_strangers_are_refused_on_their_size_and_real_rooms_go_on(cluster: Cluster) -> None:
     """Issue 13 item 2: three ~15 MB registers (layouts of 500,000 buffers) from an identity that
     never registered blocked the receiver for seconds each, and a real sender missed its
-    heartbeats. A header over 1 MiB is refused on its length, before any decoding; a register
+    heartbeats. A header over 2 MiB is refused on its length, before any decoding; a register
     within it but with more than 4,096 buffers is refused before any per-buffer work. With a
     1 s heartbeat deadline on both sides, the real group's rooms go on succeeding meanwhile."""
     hb = {"heartbeat_interval_s": 0.2, "heartbeat_misses": 5}
@@ -891,7 +891,7 @@ def test_huge_registers_from_strangers_are_refused_on_their_size_and_real_rooms_
         for f in fakes:
             f.send(huge)
         env.until(lambda: delta(env.refused(), before) == {"decode": 3}, "three oversized headers refused")
-        assert "exceeds 1048576" in env.proc.log.read_text(errors="replace")
+        assert "exceeds 2097152" in env.proc.log.read_text(errors="replace")
         for f in fakes:
             f.send(many)
         layout_refusals = [f.next("registered") for f in fakes]

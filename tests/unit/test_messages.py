@@ -15,6 +15,7 @@ from transferd.protocol.messages import (
     CONTROL_TYPES,
     DATA_TAG,
     MAX_HEADER_BYTES,
+    MAX_NIXL_MD,
     PROTOCOL_VERSION,
     U64_MAX,
     Assign,
@@ -40,6 +41,8 @@ SAMPLES: list[Message] = [
              epoch=3, checksum="crc32", stream=True),
     Register(group="g", rank=1, cp_size=2, split="pages", fingerprint="", layout={}, incarnation=0,
              te_session="10.0.0.7:15099", te_addrs=(1 << 40, U64_MAX)),
+    Register(group="g", rank=1, cp_size=2, split="pages", fingerprint="", layout={}, incarnation=0,
+             te_session="transferd-g-r1-00000000000000ff", te_addrs=(1 << 40, 4096), nixl_md=b"\x00md" * 100),
     Registered(ok=True, reason="", receiver="decode0", incarnation=17),
     Registered(ok=True, reason="", receiver="decode0", incarnation=17, stream_port=65535, stream_key=bytes(range(16))),
     Registered(ok=True, reason="", receiver="decode0", incarnation=17, te=True),
@@ -98,6 +101,26 @@ def test_register_te_session_goes_with_its_buffer_addresses(session: str, addrs:
     obj["te_session"], obj["te_addrs"] = session, addrs
     with pytest.raises(DecodeError, match=needle):
         decode_header(msgpack.packb(obj, use_bin_type=True))
+
+
+@pytest.mark.parametrize("session,md,needle", [
+    ("", b"md", "nixl_md of 2 bytes with a te_session of 0 characters"),
+    ("agent", b"m" * (MAX_NIXL_MD + 1), f"nixl_md of {MAX_NIXL_MD + 1} bytes"),
+    ("agent\n", b"md", "printable agent name"),
+    ("agent", "md", "nixl_md"),
+])
+def test_register_nixl_md_is_bounded_and_goes_with_an_agent_name(session: str, md: Any, needle: str) -> None:
+    obj = msgpack.unpackb(encode(SAMPLES[0]), raw=False)
+    obj["te_session"], obj["te_addrs"], obj["nixl_md"] = session, [4096] if session else [], md
+    with pytest.raises(DecodeError, match=needle):
+        decode_header(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_register_nixl_md_names_an_agent_without_a_port() -> None:
+    obj = msgpack.unpackb(encode(SAMPLES[0]), raw=False)
+    obj["te_session"], obj["te_addrs"], obj["nixl_md"] = "transferd-g-r0-1f", [4096, 8192, 12288], b"\x00" * MAX_NIXL_MD
+    msg = decode_header(msgpack.packb(obj, use_bin_type=True))
+    assert isinstance(msg, Register) and msg.nixl_md == b"\x00" * MAX_NIXL_MD and msg.te_session == "transferd-g-r0-1f"
 
 
 def test_data_header_is_a_short_array() -> None:

@@ -221,6 +221,20 @@ def test_mooncake_is_agreed_when_both_sides_set_it_and_wins_over_same_host_and_s
     assert isinstance(adm, Admission) and not adm.te
 
 
+def test_nixl_is_agreed_only_by_a_receiver_that_reads_with_nixl() -> None:
+    addrs = tuple(4096 * (i + 1) for i in range(len(LAYOUT.buffers)))
+    offer = register_msg(pool="p", boot_id="boot-a", te_session="transferd-g-r0-1", te_addrs=addrs, nixl_md=b"md")
+    adm = core(nixl=True).register(b"a", offer, T0)
+    assert isinstance(adm, Admission) and adm.te and adm.same_host_pool == ""
+    c = core(mooncake=True)  # a Mooncake receiver does not take a NIXL offer for its own: today's choice
+    adm = c.register(b"a", offer, T0)
+    assert isinstance(adm, Admission) and not adm.te and adm.same_host_pool == "p"
+    assert any("offers NIXL reads" in n.text and 'is not "nixl"' in n.text for n in of(c.drain(), Note))
+    mooncake_offer = register_msg(te_session="h:1", te_addrs=addrs)  # nor a NIXL receiver a Mooncake one
+    adm = core(nixl=True).register(b"a", mooncake_offer, T0)
+    assert isinstance(adm, Admission) and not adm.te
+
+
 def test_mooncake_addresses_must_name_every_buffer() -> None:
     c = core(mooncake=True)
     assert c.register(b"a", register_msg(te_session="h:1", te_addrs=(4096,)), T0) is None

@@ -16,6 +16,7 @@ class Accounting:
     shm_bytes: int = 0  # the part of ``bytes`` moved by the same-host path (not on the wire)
     stream_bytes: int = 0  # the part of ``bytes`` moved on data streams (stream.py), not through ZeroMQ
     mooncake_bytes: int = 0  # the part of ``bytes`` moved by Mooncake Transfer Engine reads (mooncake.py)
+    nixl_bytes: int = 0  # the part of ``bytes`` moved by NIXL reads (nixl.py)
     state_bytes_skipped: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
@@ -34,6 +35,7 @@ class Accounting:
             "shm_bytes": self.shm_bytes,
             "stream_bytes": self.stream_bytes,
             "mooncake_bytes": self.mooncake_bytes,
+            "nixl_bytes": self.nixl_bytes,
             "state_bytes_skipped": self.state_bytes_skipped,
             "refused": dict(self.refused),
             "dropped": dict(self.dropped),

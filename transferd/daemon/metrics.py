@@ -55,6 +55,10 @@ class _AgentCollector(Collector):
                                 "Engine reads", labels=["direction"])
         c.add_metric([direction], snap["mooncake_bytes"])
         yield c
+        c = CounterMetricFamily("transferd_nixl_bytes", "Part of transferd_bytes moved by NIXL reads",
+                                labels=["direction"])
+        c.add_metric([direction], snap["nixl_bytes"])
+        yield c
         c = CounterMetricFamily("transferd_frames", "Data messages moved", labels=["direction"])
         c.add_metric([direction], snap["frames"])
         yield c

@@ -29,8 +29,13 @@ from ..errors import DecodeError, VersionMismatch
 #   4 — Mooncake Transfer Engine: register.te_session and register.te_addrs (the sender's engine
 #       session id and the address of each of its pool's buffers), registered.te (the receiver
 #       reads the rows with its own engine); data-refs then name rows the receiver reads remotely.
-PROTOCOL_VERSION = 4
-MAX_TE_SESSION = 255  # "host:port" of an engine; longer is hostile
+#   5 — NIXL: register.nixl_md (the sender's NIXL agent metadata, at most MAX_NIXL_MD bytes); with
+#       it, te_session is that agent's name and te_addrs its registered buffers' addresses, and
+#       registered.te says the receiver reads them with its own NIXL agent. A version-4 receiver
+#       would take such a register for a Mooncake offer, so the versions do not mix.
+PROTOCOL_VERSION = 5
+MAX_TE_SESSION = 255  # "host:port" of an engine, or a NIXL agent's name; longer is hostile
+MAX_NIXL_MD = 1 << 20  # a NIXL agent's metadata: ~45 bytes a buffer per transport on TCP; more is hostile
 
 MAX_CP_SIZE = 1024
 DATA_TAG = 1
@@ -40,8 +45,9 @@ DATA_BATCH_TAG = 4
 MAX_BATCH_ENTRIES = 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # an assign for a very long room still fits; more is hostile
 # What a receiver accepts from senders, checked on the frame's length before any decoding: the
-# largest legitimate header is a register whose layout has MAX_LAYOUT_BUFFERS buffers (~0.3 MB).
-MAX_INBOUND_HEADER_BYTES = 1 << 20
+# largest legitimate header is a register whose layout has MAX_LAYOUT_BUFFERS buffers (~0.3 MB)
+# with a NIXL metadata blob of MAX_NIXL_MD bytes.
+MAX_INBOUND_HEADER_BYTES = 2 << 20
 U64_MAX = (1 << 64) - 1
 
 
@@ -117,6 +123,8 @@ class Register:
     """Its Mooncake Transfer Engine's session id ``host:port`` ("" = not offered)."""
     te_addrs: tuple[int, ...] = ()
     """With ``te_session``: the address of each pool buffer's first row in that engine."""
+    nixl_md: bytes = b""
+    """Its NIXL agent's metadata: with it, ``te_session`` is that agent's name (the NIXL plane)."""
 
     def header(self) -> dict[str, Any]:
         return {"t": self.T, "v": PROTOCOL_VERSION, "group": self.group, "rank": self.rank,
@@ -124,7 +132,8 @@ class Register:
                 "layout": self.layout, "inc": self.incarnation, "pid": self.pid, "host": self.host,
                 "epoch": self.epoch, "checksum": self.checksum, "boot_id": self.boot_id, "pool": self.pool,
                 "pool_id": self.pool_id, "max_msg": self.max_message_bytes, "dedup": self.dedup,
-                "stream": self.stream, "te_session": self.te_session, "te_addrs": list(self.te_addrs)}
+                "stream": self.stream, "te_session": self.te_session, "te_addrs": list(self.te_addrs),
+                "nixl_md": self.nixl_md}
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Register:
@@ -143,9 +152,14 @@ class Register:
         if len(session) > MAX_TE_SESSION or (session == "") != (len(addrs) == 0):
             raise DecodeError(f"register: te_session of {len(session)} characters with {len(addrs)} te_addrs "
                               f"(a session of at most {MAX_TE_SESSION} goes with the buffers' addresses, none with none)")
-        if session and (":" not in session or 0 in addrs):
-            raise DecodeError(f"register: te_session {session[:80]!r} is not HOST:PORT, or an address is 0")
-        return dataclasses.replace(out, te_session=session, te_addrs=addrs)
+        md: bytes = _req(d, "nixl_md", bytes, w)
+        if len(md) > MAX_NIXL_MD or (md and not session):
+            raise DecodeError(f"register: nixl_md of {len(md)} bytes with a te_session of {len(session)} characters "
+                              f"(at most {MAX_NIXL_MD} bytes, with the agent's name in te_session)")
+        if session and (not (md or ":" in session) or not session.isprintable() or 0 in addrs):
+            raise DecodeError(f"register: te_session {session[:80]!r} is not HOST:PORT (or, with nixl_md, a "
+                              "printable agent name), or an address is 0")
+        return dataclasses.replace(out, te_session=session, te_addrs=addrs, nixl_md=md)
 
 
 @dataclass(frozen=True, slots=True)

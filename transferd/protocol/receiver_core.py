@@ -171,6 +171,10 @@ class Settings:
     mooncake: bool = False  # this receiver reads with Mooncake Transfer Engine (data_plane = "mooncake")
     admit: Mapping[str, tuple[int, SplitMode, bool]] | None = None  # receiver.groups: name -> (cp_size, split,
     # dedup) of the only groups admitted; None = any group (its first rank fixes its settings)
+    nixl: bool = False  # this receiver reads with a NIXL agent (data_plane = "nixl")
+
+
+_ENGINES = {"mooncake": "Mooncake TE", "nixl": "NIXL"}  # the engines a sender may offer its pool to
 
 
 # -- the core ----------------------------------------------------------------------------------
@@ -300,12 +304,13 @@ class ReceiverCore:
         if msg.te_session and len(msg.te_addrs) != len(self._row_bytes):
             refuse(f"te_addrs names {len(msg.te_addrs)} buffers, the layout has {len(self._row_bytes)}", "bad_settings")
             return None
-        if msg.te_session and self.s.mooncake:  # the Mooncake plane: the same-host pool is not needed
+        engine = "nixl" if msg.nixl_md else "mooncake"  # the engine the sender offers its pool to
+        if msg.te_session and (self.s.nixl if msg.nixl_md else self.s.mooncake):  # the same-host pool is not needed
             return Admission(ident, msg, split, checksum, "", te=True)
-        if msg.te_session:  # a receiver that reads with Mooncake TE also serves senders that do not
-            self.actions.append(Note("warning", f"{msg.group} rank {msg.rank} offers Mooncake TE reads but this "
-                                                "receiver has no engine (receiver.data_plane is not \"mooncake\"): "
-                                                "today's data plane"))
+        if msg.te_session:  # a receiver that reads with an engine also serves senders that do not
+            self.actions.append(Note("warning", f"{msg.group} rank {msg.rank} offers {_ENGINES[engine]} reads but "
+                                                f"this receiver has no engine for it (receiver.data_plane is not "
+                                                f"\"{engine}\"): today's data plane"))
         candidate = ""
         if msg.pool and self.s.same_host and msg.boot_id and msg.boot_id == self.s.boot_id:
             candidate = msg.pool
@@ -359,7 +364,7 @@ class ReceiverCore:
             self.stream_keys[stream_key] = ident
         self.actions.append(Send(ident, self._registered(True, shm=same_host, stream_port=port,
                                                          stream_key=peer.stream_key if port else b"", te=te)))
-        how = (f"Mooncake TE reads from {msg.te_session}" if te else
+        how = (f"{_ENGINES['nixl' if msg.nixl_md else 'mooncake']} reads from {msg.te_session}" if te else
                f"same-host path via pool {msg.pool}" if same_host else
                f"data stream on port {port}" if port else "data over the socket")
         self.actions.append(Note("info", f"registered {msg.group} rank {msg.rank}/{msg.cp_size} ({adm.split.value}, "

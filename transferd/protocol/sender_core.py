@@ -263,7 +263,9 @@ class SenderCore:
                 ConnState.REGISTERED, msg.receiver, msg.incarnation, "")
             if again:
                 return  # the answer to a repeated register: the connection, its path and stream go on
-            if msg.te:
+            if msg.te and self.register.nixl_md:
+                conn.plane, how = PlaneName.NIXL, "NIXL: the receiver reads this pool"
+            elif msg.te:
                 conn.plane, how = PlaneName.MOONCAKE, "Mooncake TE: the receiver reads this pool"
             elif msg.shm:
                 conn.plane, how = PlaneName.SAME_HOST, "same-host path: the receiver reads this pool"

@@ -48,7 +48,16 @@ from ..transport.curve import DISCONNECTED, is_wildcard, load_keypair, watch_han
 from ..transport.data_stream import StreamReader, StreamServer, stream_host
 from ..transport.local_api import LocalApiServer
 from ..transport.loop_socket import LoopSocket, configure
-from ..transport.planes import MooncakeEngine, MooncakeReceiver, Reader, ReceiverPlane, SameHostReceiver, local_hostname
+from ..transport.planes import (
+    MooncakeEngine,
+    MooncakeReceiver,
+    NixlEngine,
+    NixlReceiver,
+    Reader,
+    ReceiverPlane,
+    SameHostReceiver,
+    local_hostname,
+)
 from ..types import AutoOff, DataPlane
 from . import api
 from .data import DataPath
@@ -80,7 +89,7 @@ class Receiver(AgentBase):
         self.streams: StreamServer | None = None
         self.slow_s = cfg.faults.slow_receiver_ms / 1000.0  # fault injection: a slow decode side
         self.planes: dict[int, tuple[Peer, ReceiverPlane]] = {}  # id(peer) -> its same-host or Mooncake plane
-        self.reader: Reader | None = None  # Mooncake TE reads (receiver.data_plane = "mooncake")
+        self.reader: Reader | None = None  # Mooncake TE or NIXL reads (receiver.data_plane = "mooncake"/"nixl")
         self.streams_of: dict[int, tuple[Peer, StreamReader]] = {}  # id(peer) -> its open data stream
         self._trimmed = 0.0  # when the freed heap was last given back (idle ticks only)
         self._rx_mark: dict[int, tuple[int, float]] = {}  # id(stream reader) -> (bytes read, when last seen)
@@ -97,7 +106,8 @@ class Receiver(AgentBase):
             heartbeat_interval_s=r.heartbeat_interval_s, heartbeat_misses=r.heartbeat_misses,
             bootstrap_timeout_s=r.bootstrap_timeout_s, waiting_timeout_s=r.waiting_timeout_s,
             stall_timeout_s=r.stall_timeout_s, same_host=r.same_host != AutoOff.OFF, boot_id=host_boot_id(),
-            stream_port=stream_port, mooncake=self.reader is not None, admit=r.admitted()), self.layout,
+            stream_port=stream_port, mooncake=self.reader is not None and r.data_plane is DataPlane.MOONCAKE,
+            nixl=self.reader is not None and r.data_plane is DataPlane.NIXL, admit=r.admitted()), self.layout,
             random.getrandbits(62) | 1)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -120,6 +130,8 @@ class Receiver(AgentBase):
         self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.rcfg.data_plane is DataPlane.MOONCAKE:
             self._start_mooncake()
+        elif self.rcfg.data_plane is DataPlane.NIXL:
+            self._start_nixl()
         host = stream_host(self.data_endpoint)
         if self.rcfg.data_stream == AutoOff.AUTO and host is not None and not self.rcfg.curve_secret_key:
             self.streams = StreamServer(host, self.rcfg.stream_port, self.data, self.rcfg.max_frame_bytes)
@@ -150,6 +162,17 @@ class Receiver(AgentBase):
                              self.layout.buffers[self.layout.aux_index].row_bytes)
         log.info("%s: Mooncake TE (%s) at %s reads the rows of senders that offer it", self.name,
                  r.mooncake_protocol, engine.session)
+
+    def _start_nixl(self) -> None:
+        """This receiver's NIXL agent (UCX), the decode pool registered with it, and its reader."""
+        r = self.rcfg
+        assert self.pool is not None
+        engine = NixlEngine(f"transferd-{r.name}-{self.incarnation:016x}", ucx_devices=r.nixl_ucx_devices,
+                            ucx_modules=r.nixl_ucx_modules, read_timeout_s=r.nixl_read_timeout_s)
+        engine.register(self.pool.rows)
+        self.reader = Reader(engine, r.nixl_batch_entries, r.nixl_reads_in_flight,
+                             self.layout.buffers[self.layout.aux_index].row_bytes)
+        log.info("%s: NIXL agent %s (UCX) reads the rows of senders that offer it", self.name, engine.session)
 
     def _setup_curve(self) -> None:
         """CURVE encryption and an allow-list of sender keys (pyzmq's zmq.auth), when configured."""
@@ -325,6 +348,13 @@ class Receiver(AgentBase):
         if adm is None:
             return
         te = adm.te and self.reader is not None
+        engine = self.reader.engine if te and self.reader is not None else None
+        if isinstance(engine, NixlEngine):  # its agent's metadata, loaded once per agent name
+            why = engine.add_peer(msg.te_session, msg.nixl_md)
+            if why is not None:  # the registration goes on, on today's data plane
+                log.warning("%s: %s rank %d offers NIXL reads, but %s: today's data plane", self.name, msg.group,
+                            msg.rank, why)
+                te = False
         pool = self._same_host_pool(adm.same_host_pool, msg) if adm.same_host_pool and not te else None
         peer = self.core.admit(adm, now, same_host=pool is not None, stream_key=os.urandom(KEY_BYTES), te=te)
         if pool is not None:
@@ -332,9 +362,9 @@ class Receiver(AgentBase):
         elif te:
             assert self.reader is not None
             theirs = PoolLayout.from_wire(msg.layout).buffers  # it parsed in the core's checks; rows may differ
-            self.planes[id(peer)] = (peer, MooncakeReceiver(self.reader, self.data, msg.te_session, msg.te_addrs,
-                                                            [b.row_bytes for b in theirs], [b.rows for b in theirs],
-                                                            peer.label))
+            kind = NixlReceiver if isinstance(self.reader.engine, NixlEngine) else MooncakeReceiver
+            self.planes[id(peer)] = (peer, kind(self.reader, self.data, msg.te_session, msg.te_addrs,
+                                                [b.row_bytes for b in theirs], [b.rows for b in theirs], peer.label))
 
     def _same_host_pool(self, name: str, msg: Register) -> Pool | None:
         """The sender's pool, when it is reachable here and is the one it offered; otherwise the

@@ -141,7 +141,7 @@ class DataPath:
         if room is None:
             return
         plane = self.rx.plane_of(peer)
-        if plane is None or plane.name not in (PlaneName.SAME_HOST, PlaneName.MOONCAKE):
+        if plane is None or plane.name not in (PlaneName.SAME_HOST, PlaneName.MOONCAKE, PlaneName.NIXL):
             self.core.reject(room, peer, "no_shm", f"data-ref rows of buffer {msg.buffer} but neither the "
                                                    "same-host path nor Mooncake TE was agreed", now)
             return
@@ -176,6 +176,8 @@ class DataPath:
             self.acct.stream_bytes += nbytes
         elif how is PlaneName.MOONCAKE:
             self.acct.mooncake_bytes += nbytes
+        elif how is PlaneName.NIXL:
+            self.acct.nixl_bytes += nbytes
         self.core.landed(room, nbytes, now)
 
     # -- data streams (transport/data_stream.py calls these) ----------------------------------

@@ -44,7 +44,7 @@ from ..protocol.sender_core import (
 )
 from ..transport.curve import load_keypair, load_public_key
 from ..transport.local_api import LocalApiServer
-from ..transport.planes import MooncakeEngine, SendEnv, local_hostname
+from ..transport.planes import MooncakeEngine, NixlEngine, SendEnv, local_hostname
 from ..types import AutoOff, ConnState, DataPlane, SplitMode
 from . import api
 from .conn import Connections
@@ -75,7 +75,7 @@ class SenderAgent(AgentBase):
         self.metrics_bind = s.metrics_bind
         self.metrics_port_offset = s.cp_rank
         self.drain_timeout_s = s.drain_timeout_s
-        self.engine: MooncakeEngine | None = None  # sender.data_plane = "mooncake": the pool registered with it
+        self.engine: MooncakeEngine | NixlEngine | None = None  # sender.data_plane = "mooncake"/"nixl": the pool registered with it
         self.te_addrs: tuple[int, ...] = ()
         self.core = self._new_core()
         self.waiters: dict[int, list[asyncio.Future[None]]] = {}
@@ -88,7 +88,8 @@ class SenderAgent(AgentBase):
                             self.layout.to_wire(), self.incarnation, os.getpid(), socket.gethostname(), 0, s.checksum,
                             host_boot_id(), pool.name if s.same_host == AutoOff.AUTO and pool else "",
                             pool.pool_id if pool else 0, s.max_message_bytes, s.dedup, False,
-                            self.engine.session if self.engine else "", self.te_addrs)
+                            self.engine.session if self.engine else "", self.te_addrs,
+                            self.engine.metadata() if isinstance(self.engine, NixlEngine) else b"")
         return SenderCore(self.layout, group=self.group, rank=self.rank, cp_size=self.cp_size, split=self.split,
                           dedup=s.dedup, heartbeat_interval_s=s.heartbeat_interval_s,
                           heartbeat_misses=s.heartbeat_misses, assign_timeout_s=s.assign_timeout_s,
@@ -108,6 +109,12 @@ class SenderAgent(AgentBase):
             self.te_addrs = self.engine.register(self.pool.rows)
             log.info("%s: Mooncake TE (%s) at %s offers this pool to receivers' reads", self.name,
                      s.mooncake_protocol, self.engine.session)
+        elif self.scfg.data_plane is DataPlane.NIXL:
+            s = self.scfg
+            self.engine = NixlEngine(f"transferd-{self.group}-r{self.rank}-{self.incarnation:016x}",
+                                     ucx_devices=s.nixl_ucx_devices, ucx_modules=s.nixl_ucx_modules)
+            self.te_addrs = self.engine.register(self.pool.rows)
+            log.info("%s: NIXL agent %s (UCX) offers this pool to receivers' reads", self.name, self.engine.session)
         self.core = self._new_core()  # now with the pool's name, id and layout (and engine)
         s, faults = self.scfg, self.cfg.faults
         env = SendEnv(self.layout, self.pool.rows, self.acct, s.max_message_bytes, s.shm_message_bytes,

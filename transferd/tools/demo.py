@@ -38,7 +38,7 @@ from .rooms import Room, mismatches, write_guard
 
 log = logging.getLogger(__name__)
 
-PATHS = ("zmq", "stream", "same_host", "mooncake")
+PATHS = ("zmq", "stream", "same_host", "mooncake", "nixl")
 """The data paths ``bytes_by_path`` names (docs/DATA-PLANES.md)."""
 
 
@@ -66,6 +66,7 @@ class Summary:
     same_host_bytes: int = 0
     stream_bytes: int = 0
     mooncake_bytes: int = 0
+    nixl_bytes: int = 0
     bytes_by_path: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     """The senders' payload bytes by the path that moved them (``zmq``: the rest of ``wire_bytes``)."""
     expected_bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
@@ -112,7 +113,7 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
             env[setting] = str(f.arg)
         if f.kind == "corrupt-frames":
             env["TRANSFERD_SENDER_SAME_HOST"] = "off"  # corruption happens on the wire: keep the data there
-            env["TRANSFERD_SENDER_DATA_PLANE"] = "auto"  # (Mooncake TE reads carry no frames to corrupt)
+            env["TRANSFERD_SENDER_DATA_PLANE"] = "auto"  # (Mooncake TE and NIXL reads carry no frames to corrupt)
             if base.sender.checksum == "none":  # corruption must be caught: turn the integrity option on
                 env["TRANSFERD_SENDER_CHECKSUM"] = "xxh3"
     return env
@@ -389,8 +390,9 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
             summary.same_host_bytes += st["shm_bytes"]
             summary.stream_bytes += st["stream_bytes"]
             summary.mooncake_bytes += st["mooncake_bytes"]
+            summary.nixl_bytes += st["nixl_bytes"]
         summary.bytes_by_path = by_path(sum(summary.wire_bytes.values()), summary.same_host_bytes,
-                                        summary.stream_bytes, summary.mooncake_bytes)
+                                        summary.stream_bytes, summary.mooncake_bytes, summary.nixl_bytes)
     finally:
         bar.close()
         for t in timers:
@@ -457,10 +459,10 @@ def _mark(touched: list[np.ndarray], room: DemoRoom, layout: Any) -> None:
     touched[layout.aux_index][room.aux_dst] = True
 
 
-def by_path(total: int, same_host: int, stream: int, mooncake: int) -> dict[str, int]:
+def by_path(total: int, same_host: int, stream: int, mooncake: int, nixl: int = 0) -> dict[str, int]:
     """Payload bytes by the path that moved them: ZeroMQ frames are what the others did not."""
-    return {"zmq": total - same_host - stream - mooncake, "stream": stream, "same_host": same_host,
-            "mooncake": mooncake}
+    return {"zmq": total - same_host - stream - mooncake - nixl, "stream": stream, "same_host": same_host,
+            "mooncake": mooncake, "nixl": nixl}
 
 
 def _mb(x: int) -> str:
@@ -473,6 +475,7 @@ def _print_summary(s: Summary, ok: bool) -> None:
           f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}")
     over_zmq = s.bytes_by_path["zmq"]
     via = "".join([f", {_mb(s.mooncake_bytes)} of it by Mooncake TE reads" if s.mooncake_bytes else "",
+                   f", {_mb(s.nixl_bytes)} of it by NIXL reads" if s.nixl_bytes else "",
                    f", {_mb(s.same_host_bytes)} of it by the same-host path" if s.same_host_bytes else "",
                    f", {_mb(s.stream_bytes)} on data streams" if s.stream_bytes else "",
                    f", {_mb(over_zmq)} through ZeroMQ" if over_zmq else ""])

@@ -343,7 +343,7 @@ def _mooncake_plane(f: Figures, b: Bench, ratios: dict[str, Any], targets: dict[
 
 def _bytes_by_path(b: Bench) -> dict[str, int]:
     """Payload bytes the run's senders moved, by path (``zmq``: what no other path moved)."""
-    total = shm = stream = mc = 0
+    total = shm = stream = mc = nx = 0
     for c in b.fleet.clusters.values():
         for g in c.groups.values():
             for pc in g.pcs:
@@ -351,7 +351,8 @@ def _bytes_by_path(b: Bench) -> dict[str, int]:
                 total += sum(int(v) for v in s["bytes"].values())
                 shm, stream = shm + int(s["shm_bytes"]), stream + int(s["stream_bytes"])
                 mc += int(s.get("mooncake_bytes", 0))
-    return {"zmq": total - shm - stream - mc, "stream": stream, "same_host": shm, "mooncake": mc}
+                nx += int(s.get("nixl_bytes", 0))
+    return {"zmq": total - shm - stream - mc - nx, "stream": stream, "same_host": shm, "mooncake": mc, "nixl": nx}
 
 
 def report(b: Bench) -> dict[str, Any]:

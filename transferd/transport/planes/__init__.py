@@ -2,7 +2,7 @@
 
 Each plane is one module with its sender-side class and, beside it, its receiver side. A
 connection's plane is chosen when it registers — Mooncake Transfer Engine reads when both sides
-set ``data_plane = "mooncake"``, the same-host path when the receiver mapped the sender's pool,
+set ``data_plane = "mooncake"`` (NIXL reads: ``"nixl"``), the same-host path when the receiver mapped the sender's pool,
 the data stream when one was offered and may be used, ZeroMQ frames
 otherwise — and built from :data:`SENDER_PLANES`. A new plane is one module implementing
 :class:`~.sending.SenderPlane` and :class:`~.receiving.ReceiverPlane`, a
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ...types import PlaneName
 from .mooncake import MooncakeEngine, MooncakeReceiver, MooncakeSender, Reader, local_hostname
+from .nixl import NixlEngine, NixlReceiver, NixlSender
 from .receiving import PayloadReceiver, ReceiverPlane
 from .same_host import SameHostReceiver, SameHostSender
 from .sending import ConnPipes, RoomTx, SendEnv, SenderPlane, SenderPlaneFactory
@@ -25,6 +26,7 @@ SENDER_PLANES: dict[PlaneName, SenderPlaneFactory] = {
     PlaneName.STREAM: StreamSender,
     PlaneName.SAME_HOST: SameHostSender,
     PlaneName.MOONCAKE: MooncakeSender,
+    PlaneName.NIXL: NixlSender,
 }
 
 
@@ -33,10 +35,11 @@ RECEIVER_PLANES: dict[PlaneName, type] = {
     PlaneName.STREAM: StreamReceiver,
     PlaneName.SAME_HOST: SameHostReceiver,
     PlaneName.MOONCAKE: MooncakeReceiver,
+    PlaneName.NIXL: NixlReceiver,
 }
 """The receiver side of each plane: ZeroMQ and stream take the layout's row sizes, the same-host
-plane the sender's pool mapped at registration, the Mooncake plane the receiver's engine reader and
-the sender's session and buffer addresses."""
+plane the sender's pool mapped at registration, the Mooncake and NIXL planes the receiver's engine
+reader and the sender's session (NIXL: agent name) and buffer addresses."""
 
 
 def sender_plane(name: PlaneName, env: SendEnv, pipes: ConnPipes) -> SenderPlane:
@@ -44,6 +47,6 @@ def sender_plane(name: PlaneName, env: SendEnv, pipes: ConnPipes) -> SenderPlane
     return SENDER_PLANES[name](env, pipes)
 
 
-__all__ = ["RECEIVER_PLANES", "SENDER_PLANES", "ConnPipes", "MooncakeEngine", "MooncakeReceiver", "PayloadReceiver",
-           "Reader", "ReceiverPlane", "RoomTx", "RowSink", "SameHostReceiver", "SendEnv", "SenderPlane",
+__all__ = ["RECEIVER_PLANES", "SENDER_PLANES", "ConnPipes", "MooncakeEngine", "MooncakeReceiver", "NixlEngine",
+           "NixlReceiver", "PayloadReceiver", "Reader", "ReceiverPlane", "RoomTx", "RowSink", "SameHostReceiver", "SendEnv", "SenderPlane",
            "StreamReceiver", "ZmqReceiver", "local_hostname", "sender_plane"]

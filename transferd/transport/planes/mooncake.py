@@ -56,6 +56,16 @@ STAGING_ROWS = 64  # aux rows read at once (each into a registered staging row)
 
 # -- the engine --------------------------------------------------------------------------------
 
+class ReadEngine(Protocol):
+    """What :class:`Reader` needs of an engine (Mooncake TE here, NIXL in ``nixl.py``)."""
+
+    def register(self, buffers: Sequence[np.ndarray]) -> tuple[int, ...]: ...
+
+    def read(self, session: str, local: list[int], remote: list[int], lens: list[int]) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class MooncakeEngine:
     """One Mooncake Transfer Engine (P2P handshake, no metadata server) and the pool buffers
     registered with it."""
@@ -159,7 +169,7 @@ class Reader:
     """Every engine read of a receiver: a bounded queue, ``in_flight`` batches at once on worker
     threads (the engine releases the GIL), results back on the event loop."""
 
-    engine: MooncakeEngine
+    engine: ReadEngine
     batch_entries: int
     in_flight: int
     staging_row_bytes: int
@@ -250,7 +260,7 @@ class Reader:
         try:
             rc = fut.result()
         except Exception as exc:  # the binding raised: report it as the engine's failure
-            log.error("Mooncake read from %s raised %r", batch[0][0].session, exc)
+            log.error("engine read from %s raised %r", batch[0][0].session, exc)
             rc = -1
         if rc != 0:
             self.failed += 1
@@ -313,12 +323,11 @@ class _Refs:
 
 class _Staged:
     """The aux row, read into a staging row: it continues as a ZeroMQ payload would (the
-    room's checks again, the guard, the claim, one copy), counted as the Mooncake plane's."""
+    room's checks again, the guard, the claim, one copy), counted as the reading plane's."""
 
-    name = PlaneName.MOONCAKE
-
-    def __init__(self, row_bytes: list[int]) -> None:
+    def __init__(self, row_bytes: list[int], name: PlaneName = PlaneName.MOONCAKE) -> None:
         self._row_bytes = row_bytes
+        self.name = name
 
     def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: Any, payload: Any,
                now: float) -> Any | None:
@@ -353,7 +362,7 @@ class MooncakeReceiver:
         self.row_bytes = row_bytes
         self.n_rows = n_rows
         self.label = label
-        self.staged = _Staged(row_bytes)
+        self.staged = _Staged(row_bytes, self.name)
 
     def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, payload: Any,
                now: float) -> _Refs | None:
@@ -366,7 +375,7 @@ class MooncakeReceiver:
         return _Refs(room, peer, src_rows)
 
     def first_row(self, msg: Any, src: Any) -> Any:
-        raise AssertionError("the aux row of the Mooncake plane is staged, never read in place")
+        raise AssertionError("the aux row of an engine plane is staged, never read in place")
 
     def write(self, msg: DataRef | DataRefs, dst: np.ndarray, first: int, rows: np.ndarray | None,
               src: _Refs) -> bool:
@@ -399,16 +408,18 @@ class MooncakeReceiver:
                 return  # dropped unread, or the room ended meanwhile: nothing more of it counts
             now = time.monotonic()
             if rc == 0:
-                self.sink.landed(room, PlaneName.MOONCAKE, buffer, nbytes, now)
+                self.sink.landed(room, self.name, buffer, nbytes, now)
             else:
                 self._failed(room, peer, rc, nbytes, now)
             self.sink.flush()
         return landed
 
     def _failed(self, room: DecodeRoom, peer: Peer, rc: int, nbytes: int, now: float) -> None:
-        self.sink.core.reject(room, peer, FailureCode.TRANSPORT_ERROR,
-                              f"Mooncake TE read of {nbytes} bytes from {self.session} ({self.label}) failed: "
-                              f"the engine returned {rc}", now)
+        self.sink.core.reject(room, peer, FailureCode.TRANSPORT_ERROR, self._failure(rc, nbytes), now)
+
+    def _failure(self, rc: int, nbytes: int) -> str:
+        """The reason a failed read gives its room (the engine's own words where it has them)."""
+        return f"Mooncake TE read of {nbytes} bytes from {self.session} ({self.label}) failed: the engine returned {rc}"
 
     def _stage(self, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, src_rows: np.ndarray) -> None:
         """Read the aux row into a staging row; then it goes on as a payload (``DataPath.data``)."""

@@ -66,6 +66,7 @@ class SendCounters(Protocol):
     shm_bytes: int
     stream_bytes: int
     mooncake_bytes: int
+    nixl_bytes: int
 
     def add(self, kind: str, nbytes: int) -> None: ...
 
