@@ -1761,7 +1761,9 @@ def test_answers_to_a_peer_that_left_are_counted_and_logged_in_a_few_lines(guard
         d = delta(env.dc.stats()["dropped"], dropped0)
         return sum(v for k, v in d.items() if k.startswith("send_"))
 
-    for _ in range(5):  # how many answers find the peer gone depends on timing: until a few did
+    rounds = 0
+    for _ in range(5):  # how many answers find the peer gone depends on timing: until enough did
+        rounds += 1
         f = env.fake("hitandrun")
         for _ in range(5000):
             f.send(bad)
@@ -1776,8 +1778,9 @@ def test_answers_to_a_peer_that_left_are_counted_and_logged_in_a_few_lines(guard
             time.sleep(0.5)  # sampling interval, not a wait for an event
             return done
         env.until(settled, "the refusals to settle")
-        if unsent() > 5:
+        if unsent() > 25:
             break
     lines = env.proc.log.read_text(errors="replace")[text0:].count("could not send")
-    assert unsent() > 5, f"only {unsent()} answers failed: the case is not shown"
-    assert lines <= 6, f"{lines} log lines for {unsent()} unsent answers"  # five, and a summary once a window ended
+    assert unsent() > 25, f"only {unsent()} answers failed: the case is not shown"
+    # at most five per identity (one per round), and a summary once a window ended
+    assert lines <= 5 * rounds + 1, f"{lines} log lines for {unsent()} unsent answers from {rounds} identities"

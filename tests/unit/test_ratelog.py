@@ -68,3 +68,18 @@ def test_memory_is_bounded_under_many_peers(out: tuple[logging.Logger, Lines]) -
     r.flush(20.0)
     assert h.lines[-1] == "rx: refused (decode) from other peers: 9991 more not logged in the last 10 s (last: x)"
     assert r.entries == {}
+
+
+def test_lines_are_bounded_per_code_over_fresh_identities(out: tuple[logging.Logger, Lines]) -> None:
+    """Thousands of fresh identities would each get ``burst`` lines: past ``code_burst`` lines of
+    one code in a window, that code's refusals are only summed up (under "other peers")."""
+    log, h = out
+    r = RefusalLog(log, "rx", burst=5, window_s=10.0, code_burst=20)
+    for i in range(3000):
+        r.refused("bad_rank", f"peer{i}", f"x{i}", 0.0)
+    r.refused("decode", "peerA", "other code", 0.0)  # another code has its own budget
+    assert len(h.lines) == 21
+    assert sum("bad_rank" in line for line in h.lines) == 20
+    r.flush(10.5)
+    assert h.lines[-1] == "rx: refused (bad_rank) from other peers: 2980 more not logged in the last 10 s (last: x2999)"
+    assert r.entries == {} and r.per_code == {}
