@@ -1070,10 +1070,18 @@ def test_fuzz_the_data_socket_then_a_normal_room_succeeds(cluster: Cluster) -> N
             fake.pump()
             stranger.pump()
         # a probe on each connection: its answer comes after everything sent before it was handled
+        # (a refused registration is answered at most once a second per identity: the probe is
+        # sent again until one is)
         for n, f in enumerate((fake, stranger)):
-            f.ctrl(register_header("probe", 0, 1) | {"v": 4242 + n})
-            env.until(lambda: any(m.get("t") == "registered" and f"version {4242 + n}" in m.get("reason", "")
-                                  for m in f.inbox) or None, "the probe's answer")
+            last = [0.0]
+
+            def answered() -> bool | None:
+                if time.monotonic() - last[0] > 1.1:
+                    f.ctrl(register_header("probe", 0, 1) | {"v": 4242 + n})
+                    last[0] = time.monotonic()
+                return any(m.get("t") == "registered" and f"version {4242 + n}" in m.get("reason", "")
+                           for m in f.inbox) or None
+            env.until(answered, "the probe's answer")
         stats = dc.stats()
         assert proc_alive(env), cluster.logs()
         assert stats["refused"].get("internal_error", 0) == 0, (stats, cluster.logs())
@@ -1746,41 +1754,79 @@ def test_a_garbage_flood_is_counted_in_full_and_logged_in_a_few_lines(guard: Env
     assert rss1 - rss0 < 4096, f"RSS grew {rss1 - rss0} kB over {n} refused messages"
 
 
-def test_answers_to_a_peer_that_left_are_counted_and_logged_in_a_few_lines(guard: Env) -> None:
-    """A stranger sends thousands of registrations the receiver must refuse and answer, then
-    leaves at once: the answers to those the receiver had already taken find no peer. Every one
-    is counted (dropped[send_...]), but only the first few are logged, then summed up (as
-    refusals are: daemon/ratelog.py), so a hit-and-run flood cannot fill the journal. (Before:
-    one WARNING line per unsent answer.)"""
+def test_a_strangers_refused_registrations_are_answered_at_most_once_a_second(guard: Env) -> None:
+    """5,000 registrations the receiver must refuse, from one identity that never reads: every
+    one is counted, but it is answered at most once a second (before: 5,000 answers queued
+    towards it — the RSS creep of a flood that never reads — and, once it left, one WARNING line
+    per answer that found no peer). A registered sender's registrations are always answered."""
     env = guard
-    text0 = len(env.proc.log.read_text(errors="replace"))
-    dropped0 = dict(env.dc.stats()["dropped"])
-    bad = pack(register_header("hitandrun", 5, 2))  # rank 5 of cp_size 2: refused bad_rank, answered
+    before = env.refused()
+    f = env.fake("noreader")
+    bad = pack(register_header("noreader", 5, 2))  # rank 5 of cp_size 2: refused bad_rank
+    n = 5000
+    t0 = time.monotonic()
+    for _ in range(n):
+        f.send(bad)
+    env.until(lambda: env.refused().get("bad_rank", 0) == before.get("bad_rank", 0) + n, "every register refused")
+    elapsed = time.monotonic() - t0
+    f.pump()
+    answers = [m for m in f.inbox if m.get("t") == "registered"]
+    assert 1 <= len(answers) <= elapsed + 2, f"{len(answers)} answers to {n} registrations in {elapsed:.1f}s"
+    assert all(not m["ok"] and "rank 5 is outside cp_size 2" in m["reason"] for m in answers), answers
 
-    def unsent() -> int:
-        d = delta(env.dc.stats()["dropped"], dropped0)
-        return sum(v for k, v in d.items() if k.startswith("send_"))
 
-    rounds = 0
-    for _ in range(5):  # how many answers find the peer gone depends on timing: until enough did
-        rounds += 1
-        f = env.fake("hitandrun")
-        for _ in range(5000):
-            f.send(bad)
-        f.sock.close(linger=30_000)  # every register goes out, then the peer is gone
-        env.fakes.remove(f)
-        # what was still queued towards the receiver when the peer left goes with its connection
-        seen = [-1]
+def test_rss_stays_flat_under_a_long_mixed_garbage_stream_from_many_identities(guard: Env) -> None:
+    """Issue 13 item 4. An outside client measured ~35 B of RSS per refused message. From one
+    identity, RSS is flat (test above); what grows is per *connection*: each ZeroMQ connection
+    holds ~20-30 KB while it lives, and after a burst of short-lived identities the allocator
+    keeps its high-water mark (transferd keeps freed memory mapped on purpose: daemon/malloc.py).
+    Two things made it grow without bound, both fixed: every refused registration was answered,
+    so a flood that never reads queued one answer per message towards it (now at most one a
+    second per identity), and the heap freed after a burst stayed mapped (now given back while
+    the receiver holds no room, every 10 s). After warm-up waves, three more waves — 45,000
+    refused messages of every garbage kind above and refused registrations, from 900 identities
+    that come and go — leave the idle receiver's RSS flat."""
+    env = guard
+    pid = env.proc.proc.pid
+
+    def rss_kb() -> int:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    kinds = [frames for _, frames, _ in GARBAGE] + [[pack(register_header("mix", 9, 2))]]
+
+    def total() -> int:
+        return sum(env.dc.stats()["refused"].values())
+
+    def wave(n_ids: int, per_id: int) -> int:
+        for i in range(n_ids):
+            f = env.fake("mix")
+            for j in range(per_id):
+                f.send(*kinds[(i + j) % len(kinds)])
+            f.sock.close(linger=30_000)
+            env.fakes.remove(f)
+        last = [-1]
 
         def settled() -> bool:
-            now = env.refused().get("bad_rank", 0)
-            done, seen[0] = now == seen[0], now
+            now = total()
+            done, last[0] = now == last[0], now
             time.sleep(0.5)  # sampling interval, not a wait for an event
             return done
-        env.until(settled, "the refusals to settle")
-        if unsent() > 25:
-            break
-    lines = env.proc.log.read_text(errors="replace")[text0:].count("could not send")
-    assert unsent() > 25, f"only {unsent()} answers failed: the case is not shown"
-    # at most five per identity (one per round), and a summary once a window ended
-    assert lines <= 5 * rounds + 1, f"{lines} log lines for {unsent()} unsent answers from {rounds} identities"
+        env.until(settled, "the wave to be refused")
+        return n_ids * per_id
+
+    from transferd.receiver.agent import TRIM_IDLE_EVERY_S
+
+    for _ in range(2):
+        wave(300, 20)
+    time.sleep(TRIM_IDLE_EVERY_S + 1.5)  # the daemon's idle trim runs on a timer: not an event to wait for
+    rss0, count0 = rss_kb(), total()
+    n = sum(wave(300, 50) for _ in range(3))
+    time.sleep(TRIM_IDLE_EVERY_S + 1.5)
+    rss1, got = rss_kb(), total() - count0
+    print(f"receiver RSS {rss0} kB -> {rss1} kB over {got} refused messages of {n} sent "
+          f"({(rss1 - rss0) * 1024 / max(got, 1):.1f} B each)")
+    assert got > n // 2, f"only {got} of {n} messages reached the receiver"
+    assert rss1 - rss0 < 4096, f"RSS grew {rss1 - rss0} kB over {got} refused messages"

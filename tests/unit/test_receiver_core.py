@@ -193,6 +193,23 @@ def test_a_configured_receiver_admits_only_its_groups_with_their_settings() -> N
                       Admission)
 
 
+def test_a_strangers_refused_registrations_are_answered_at_most_once_a_second() -> None:
+    c = core()
+    for i in range(10):  # ten in 0.9 s: one answer, ten refusals
+        assert c.register(b"stranger", register_msg(rank=5, cp=2), T0 + i * 0.1) is None
+    acts = c.drain()
+    assert refusals(acts) == ["bad_rank"] * 10 and len(of(acts, Send)) == 1
+    c.register(b"stranger", register_msg(rank=5, cp=2), T0 + 1.0)  # a second later: answered again
+    assert len(of(c.drain(), Send)) == 1
+    c.unregistered(b"stranger", "ping", T0 + 1.0)  # a nudge is another kind of answer: its own clock
+    assert len(of(c.drain(), Send)) == 1
+    p0 = join(c, 0)  # a registered peer's registrations are always answered
+    c.drain()
+    for i in range(3):
+        c.register(p0.ident, register_msg(rank=0, cp=4), T0 + 2 + i * 0.1)
+    assert len(of(c.drain(), Send)) == 3
+
+
 def test_same_host_candidate_needs_the_same_boot_id_and_the_setting() -> None:
     assert core().register(b"x", register_msg(pool="p", boot_id="boot-a"), T0).same_host_pool == "p"  # type: ignore[union-attr]
     assert core().register(b"x", register_msg(pool="p", boot_id="boot-b"), T0).same_host_pool == ""  # type: ignore[union-attr]

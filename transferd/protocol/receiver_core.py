@@ -191,6 +191,7 @@ class ReceiverCore:
         self.stream_keys: dict[bytes, bytes] = {}  # offered stream key -> peer identity
         self._next_tok = first_token
         self._nudged: dict[bytes, float] = {}
+        self._answered: dict[bytes, float] = {}  # identities whose registration was refused: when last told
         self._plans: dict[tuple[int, SplitMode, int, int, bool], list[RankPlan]] = {}
         self._row_bytes = [b.row_bytes for b in layout.buffers]
         self._kind_of = [b.kind for b in layout.buffers]
@@ -225,19 +226,26 @@ class ReceiverCore:
         told (at most once a second) to register — it may be registered with this receiver's
         previous incarnation."""
         self._refuse("unregistered", f"{what} from an unregistered peer", ident)
-        if now - self._nudged.get(ident, -NUDGE_EVERY_S) < NUDGE_EVERY_S:
-            return
-        if len(self._nudged) > MAX_NUDGED:
-            self._nudged.clear()
-        self._nudged[ident] = now
-        self.actions.append(Send(ident, self._registered(False, "unknown peer: register first", retry=True)))
+        self._answer(self._nudged, ident, self._registered(False, "unknown peer: register first", retry=True), now)
 
-    def undecodable(self, ident: bytes, code: str, reason: str, *, register: bool = False) -> None:
+    def _answer(self, sent: dict[bytes, float], ident: bytes, msg: Registered, now: float) -> None:
+        """An answer to an identity that is not registered: at most one a second per identity
+        and kind (``sent``: the nudges, or the refused registrations); a sender retries far less
+        often, and a flood that never reads its answers would otherwise have one queued towards
+        it for every message it sends."""
+        if now - sent.get(ident, -NUDGE_EVERY_S) < NUDGE_EVERY_S:
+            return
+        if len(sent) > MAX_NUDGED:
+            sent.clear()
+        sent[ident] = now
+        self.actions.append(Send(ident, msg))
+
+    def undecodable(self, ident: bytes, code: str, reason: str, *, register: bool = False, now: float = 0.0) -> None:
         """A header that could not be decoded: refused; a ``register`` of another protocol
-        version is answered, so that the sender can say why."""
+        version is answered (at most once a second), so that the sender can say why."""
         self._refuse(code, reason, ident)
         if register:
-            self.actions.append(Send(ident, self._registered(False, reason)))
+            self._answer(self._answered, ident, self._registered(False, reason), now)
 
     # -- registration --------------------------------------------------------------------------
     def register(self, ident: bytes, msg: Register, now: float) -> Admission | None:
@@ -245,7 +253,10 @@ class ReceiverCore:
         returned); a registration to complete is returned as an :class:`Admission`."""
         def refuse(reason: str, code: str) -> None:
             self._refuse(code, f"registration of {msg.group} rank {msg.rank}: {reason}", ident)
-            self.actions.append(Send(ident, self._registered(False, reason)))
+            if ident in self.peers:  # a registered peer's new register: always answered
+                self.actions.append(Send(ident, self._registered(False, reason)))
+            else:
+                self._answer(self._answered, ident, self._registered(False, reason), now)
 
         try:
             split = SplitMode.parse(msg.split, BadRequest)

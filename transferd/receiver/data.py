@@ -76,7 +76,7 @@ class DataPath:
             msg = decode_header(frames[1].buffer, MAX_INBOUND_HEADER_BYTES)  # refused on its size alone
         except TransferdError as exc:
             register = isinstance(exc, VersionMismatch) and exc.msg_type == "register"
-            core.undecodable(ident, exc.code, str(exc), register=register)
+            core.undecodable(ident, exc.code, str(exc), register=register, now=time.monotonic())
             return
         now = time.monotonic()
         peer = core.seen(ident, now)
