@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pages", type=int, help="pages per room (upper bound; rooms vary)")
     p.add_argument("--in-flight", type=int, help="rooms in flight at once")
     p.add_argument("--seed", type=int, help="random seed")
-    p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-' for stdout)")
+    p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-': stdout, the JSON "
+                   "alone; the human summary goes to stderr then)")
     p.add_argument("--same-host", choices=["auto", "off"],
                    help="auto: the receiver reads the senders' pools directly (one copy); off: all data over ZeroMQ")
     p.add_argument("--data-plane", choices=["auto", "mooncake"],
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ask the sender agent of this CP rank")
     who.add_argument("--receiver", action="store_true", help="ask the receiver (the default)")
     p.add_argument("--endpoint", help="engine socket to ask instead of the configured one")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output: stdout carries JSON alone (one "
+                   "line per refresh with --watch)")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS", help="refresh every N seconds")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
 
@@ -102,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     csub = p.add_subparsers(dest="config_cmd", required=True)
     c = csub.add_parser("check", help="validate files and print the resolved configuration")
     c.add_argument("files", nargs="+")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="stdout carries one JSON document alone (a list for "
+                   "several files); problems still go to stderr")
 
     p = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key, NAME.key_secret)")
     p.add_argument("directory")
@@ -111,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure the host's limits and transferd side by side")
     _common(p)
     p.add_argument("--quick", action="store_true", help="a short run (under a minute on 2 cores)")
-    p.add_argument("--json", metavar="PATH", help="write the results to PATH ('-' for stdout)")
+    p.add_argument("--json", metavar="PATH", help="write the results to PATH ('-': stdout, the JSON alone; the "
+                   "table goes to stderr then)")
     p.add_argument("--plot", metavar="PATH.png", help="draw throughput vs size and the de-dup bars (needs matplotlib)")
     p.add_argument("--repeats", type=int, help="interleaved rounds per measurement (median reported)")
     p.add_argument("--only", metavar="GLOBS", help="measure only the subjects matching these comma-separated "

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -204,7 +204,8 @@ def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
         if not _passed(summary, cfg):
             _dump_logs(Path(run_dir) / "logs")
     summary.seconds = round(time.monotonic() - t_start, 3)
-    _print_summary(summary, _passed(summary, cfg))
+    # with --json -, stdout carries the JSON alone: the human summary goes to stderr
+    _print_summary(summary, _passed(summary, cfg), sys.stderr if json_path == "-" else sys.stdout)
     if json_path:
         text = json.dumps(summary.to_json(), indent=2, sort_keys=True)
         if json_path == "-":
@@ -467,22 +468,22 @@ def _mb(x: int) -> str:
     return f"{x / 1e6:.2f} MB"
 
 
-def _print_summary(s: Summary, ok: bool) -> None:
+def _print_summary(s: Summary, ok: bool, out: TextIO) -> None:
     total_wire = sum(s.wire_bytes.values())
     print(f"transferd demo: cp_size {s.cp_size}, split {s.split}: {s.rooms_ok} rooms ok, {s.rooms_failed} failed, "
-          f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}")
+          f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}", file=out)
     over_zmq = s.bytes_by_path["zmq"]
     via = "".join([f", {_mb(s.mooncake_bytes)} of it by Mooncake TE reads" if s.mooncake_bytes else "",
                    f", {_mb(s.same_host_bytes)} of it by the same-host path" if s.same_host_bytes else "",
                    f", {_mb(s.stream_bytes)} on data streams" if s.stream_bytes else "",
                    f", {_mb(over_zmq)} through ZeroMQ" if over_zmq else ""])
     print(f"  moved:    kv {_mb(s.wire_bytes['kv'])}, state {_mb(s.wire_bytes['state'])}, aux {_mb(s.wire_bytes['aux'])}"
-          f" (total {_mb(total_wire)}{via})")
+          f" (total {_mb(total_wire)}{via})", file=out)
     print(f"  expected: kv {_mb(s.expected_bytes['kv'])}, state {_mb(s.expected_bytes['state'])}, "
-          f"aux {_mb(s.expected_bytes['aux'])} (one copy of each)")
-    print(f"  de-dup:   {_mb(s.state_bytes_skipped)} of replicated state not sent")
+          f"aux {_mb(s.expected_bytes['aux'])} (one copy of each)", file=out)
+    print(f"  de-dup:   {_mb(s.state_bytes_skipped)} of replicated state not sent", file=out)
     if s.rooms_failed_by_reason:
-        print("  failures: " + ", ".join(f"{k} {v}" for k, v in sorted(s.rooms_failed_by_reason.items())))
+        print("  failures: " + ", ".join(f"{k} {v}" for k, v in sorted(s.rooms_failed_by_reason.items())), file=out)
     if s.faults:
         print(f"  faults:   {', '.join(s.faults)}; corrupted rooms {s.corrupted_rooms}; "
-              f"{'recovered' if s.recovered else 'NOT recovered'} ({s.rooms_after_fault} rooms after the fault)")
+              f"{'recovered' if s.recovered else 'NOT recovered'} ({s.rooms_after_fault} rooms after the fault)", file=out)

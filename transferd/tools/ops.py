@@ -17,18 +17,22 @@ from ..errors import ClientTimeout, TransferdError
 
 def config_check(paths: list[str], as_json: bool = False) -> int:
     """Validate each file (with the ``TRANSFERD_*`` environment applied) and print the resolved
-    configuration; exit 2 naming the first problem of every bad file."""
+    configuration; exit 2 naming the first problem of every bad file. ``as_json``: stdout carries
+    one JSON document alone — ``{"file", "config"}`` (or ``{"file", "error"}``) for one file, a
+    list of them for several — and problems still go to stderr."""
     bad = 0
+    docs: list[dict[str, Any]] = []
     for p in paths:
         try:
             cfg = load(p)
         except TransferdError as exc:
             print(f"{p}: INVALID: {exc}", file=sys.stderr)
+            docs.append({"file": p, "error": str(exc)})
             bad += 1
             continue
         resolved = dataclasses.asdict(cfg)
         if as_json:
-            print(json.dumps({"file": p, "config": resolved}, default=list, indent=2))
+            docs.append({"file": p, "config": resolved})
         else:
             print(f"{p}: OK")
             for section, value in resolved.items():
@@ -44,6 +48,8 @@ def config_check(paths: list[str], as_json: bool = False) -> int:
                   f"{len(layout.indices('state'))} state buffers; {layout.kv_page_bytes()} KV bytes per page")
             print(f"  # receiver engine socket {cfg.receiver_engine_socket()}, pool {cfg.receiver_pool_name()}; "
                   f"sender rank {s.cp_rank} engine socket {cfg.sender_engine_socket()}, pool {cfg.sender_pool_name()}")
+    if as_json:
+        print(json.dumps(docs[0] if len(docs) == 1 else docs, default=list, indent=2))
     return 2 if bad else 0
 
 
