@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto: today's choice (same-host, data stream, ZeroMQ)")
     p.add_argument("--fault", action="append", metavar="SPEC",
                    help="inject a fault while rooms run (repeatable): kill-sender:R, restart-receiver, "
-                        "pause-sender:R, drop-frames:P, corrupt-frames:P, slow-receiver:MS")
+                        "pause-sender:R, drop-frames:P, corrupt-frames:P, slow-receiver:MS, hostile-flood:N")
 
     p = sub.add_parser("status", help="ask a running daemon how it is doing (exit 1 if it does not answer)")
     _common(p)

@@ -228,3 +228,18 @@ def test_json_dash_puts_the_json_alone_on_stdout_and_the_summary_on_stderr(tmp_p
     tx = run("status", "--json", "--sender", "0", "--endpoint", pcs[0].endpoint)
     assert tx.returncode == 0, tx.stderr
     assert json.loads(tx.stdout)["role"] == "sender"
+
+
+def test_demo_hostile_flood_is_refused_in_full_and_fails_no_room(tmp_path: Path) -> None:
+    """``--fault hostile-flood:N``: a peer that never registers sends N garbage messages to the
+    receiver's ZeroMQ port while rooms are in flight; every one is refused and counted, every
+    room succeeds byte-exact, nothing is written outside the rooms."""
+    proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--rooms", "16", "--in-flight", "4",
+                           "--fault", "hostile-flood:5000", "--json", "-"], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(proc.stdout)
+    assert s["faults"] == ["hostile-flood:5000"] and s["recovered"] and s["rooms_after_fault"] == 4
+    assert s["rooms_ok"] == 16 and s["rooms_failed"] == 0 and s["mismatched_bytes"] == s["stray_bytes"] == 0
+    assert sum(s["refused"].values()) == 5000  # not msgpack, bad headers, wrong version, stray frames
+    assert {"decode", "malformed", "version"} <= set(s["refused"])
