@@ -115,7 +115,8 @@ def status(cfg: Config, sender_rank: int | None, endpoint: str | None, as_json: 
         client.close()
 
 
-def _table(rows: list[list[str]]) -> list[str]:
+def table(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as aligned lines (each indented by two spaces); the first row is the header."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -132,7 +133,7 @@ def render(st: dict[str, Any], rate: float) -> str:
             for rank, rv in sorted(gv["ranks"].items(), key=lambda kv: int(kv[0])):
                 rows.append([g, str(gv["cp_size"]), gv["split"], rank, f"{rv['incarnation']:016x}", str(rv["pid"]),
                              rv["host"], f"{rv['last_seen_s']:.1f}s ago"])
-        out += ["registered ranks:"] + (_table(rows) if len(rows) > 1 else ["  (none)"])
+        out += ["registered ranks:"] + (table(rows) if len(rows) > 1 else ["  (none)"])
     else:
         out.append(f"sender {st['group']}/r{st['rank']} of cp {st['cp_size']} ({st['split']})  pid {st['pid']} on "
                    f"{st['host']}  incarnation {st['incarnation']:016x}  up {s['uptime_s']:.0f}s  "
@@ -141,7 +142,7 @@ def render(st: dict[str, Any], rate: float) -> str:
         for r in st["receivers"]:
             heard = "-" if r["last_heard_s"] is None else f"{r['last_heard_s']:.1f}s ago"
             rows.append([r["receiver"] or "?", r["endpoint"], r["state"], heard, r["reason"]])
-        out += ["receivers:", *_table(rows)]
+        out += ["receivers:", *table(rows)]
     rooms = ", ".join(f"{k} {v}" for k, v in sorted(st["rooms"].items())) or "none"
     out.append(f"rooms: {rooms}")
     b = s["bytes"]
