@@ -189,9 +189,9 @@ def test_demo_many_batches_reusing_rows(tmp_path: Path) -> None:
 
 
 def test_json_dash_puts_the_json_alone_on_stdout_and_the_summary_on_stderr(tmp_path: Path, cluster: Cluster) -> None:
-    """``--json -`` (demo, bench) and the ``--json`` flags (status, config check): stdout parses
-    as one JSON document in full, so ``transferd demo --json - | jq .rooms_ok`` works; the human
-    summary goes to stderr. Without ``--json -`` the summary stays on stdout."""
+    """``--json -`` (demo here; bench and soak in their own tests) and the ``--json`` flags (status,
+    config check): stdout parses as one JSON document in full, so ``transferd demo --json - | jq
+    .rooms_ok`` works; the human summary goes to stderr. Without ``--json -`` it stays on stdout."""
     env = _env(tmp_path)
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
