@@ -18,13 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 MB = 1024  # /proc reports kB
 
 # The bound on memory growth of a daemon that lived through the whole soak, start (after the
-# first batch) to end. Measured here: receiver +0.7 MB, senders +7.6 MB (each remembers its last
-# 100 000 ended rooms, about 2.4 KB apiece: some 3 000 rooms in a minute). 25 MB leaves room for
-# a loaded host's allocator high-water marks (ZeroMQ pipes at recv_hwm during the flood and the
-# slow phases) and still catches a leak of about 8 KB per room or 600 B per refused message.
-# Only private memory counts: the pool pages a daemon touches (RssShmem) grow, as rooms land in
+# first batch) to end: 25 MB of private memory (RssAnon). Measured here: receiver +0.7 MB. 25 MB
+# leaves room for a loaded host's allocator high-water marks (ZeroMQ pipes at recv_hwm during the
+# flood and the slow phases) and still catches a leak of about 8 KB per room or 600 B per refused
+# message in a minute (some 3 000 rooms and 40 000 garbage messages here). A sender also keeps
+# its last 100 000 ended rooms whole (protocol/sender_core.py, TERMINAL_RETENTION), measured at
+# 2.4 KB a room (+7.6 MB over 3 144 rooms): it gets 3 KB per ended room on top, so that a faster
+# host, with more rooms a minute, does not fail the bound for that known, bounded cost.
+# The pool pages a daemon touches (RssShmem) are not counted: a receiver's grow as rooms land in
 # rows not written before, up to the pool's size (83 MB in configs/local.toml).
 RSS_BOUND_KB = 25 * MB
+ENDED_ROOM_KB = 3
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -82,11 +86,13 @@ def test_long_lived_daemons_keep_memory_and_descriptors_flat(soak: tuple[dict[st
     r, _ = soak
     steady = [d for d in r["daemons"] if d["fleet"] == "steady"]
     assert {d["daemon"] for d in steady} == {"receiver", "sender r0", "sender r1"}
+    rooms = r["rooms_by_fleet"]["steady"]["ok"] + r["rooms_by_fleet"]["steady"]["failed"]
     for d in steady:
         assert d["long_lived"] and d["pid_start"] == d["pid_end"], d  # the steady fleet is never restarted
-        assert d["rss_anon_kb_end"] - d["rss_anon_kb_start"] < RSS_BOUND_KB, d
+        bound = RSS_BOUND_KB + (ENDED_ROOM_KB * rooms if d["daemon"] != "receiver" else 0)
+        assert d["rss_anon_kb_end"] - d["rss_anon_kb_start"] < bound, (d, rooms)
         private_start = d["rss_kb_start"] - d["rss_shmem_kb_start"]
-        assert d["rss_kb_end"] - d["rss_shmem_kb_end"] - private_start < RSS_BOUND_KB, d
+        assert d["rss_kb_end"] - d["rss_shmem_kb_end"] - private_start < bound, (d, rooms)
         assert d["fds_end"] <= d["fds_start"], d  # each sample after a clean batch, every peer registered
     # the chaos fleet was restarted by its faults, and is reported too
     chaos = [d for d in r["daemons"] if d["fleet"] == "chaos"]
