@@ -1,5 +1,5 @@
-"""``transferd`` command line: ``receiver``, ``sender``, ``launch``, ``demo``, ``bench``, ``status``,
-``config check``, ``keygen``."""
+"""``transferd`` command line: ``receiver``, ``sender``, ``launch``, ``demo``, ``soak``, ``bench``,
+``status``, ``config check``, ``keygen``."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pages", type=int, help="pages per room (upper bound; rooms vary)")
     p.add_argument("--in-flight", type=int, help="rooms in flight at once")
     p.add_argument("--seed", type=int, help="random seed")
-    p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-' for stdout)")
+    p.add_argument("--json", metavar="PATH", help="write a machine-readable summary to PATH ('-': stdout, the JSON "
+                   "alone; the human summary goes to stderr then)")
     p.add_argument("--same-host", choices=["auto", "off"],
                    help="auto: the receiver reads the senders' pools directly (one copy); off: all data over ZeroMQ")
     p.add_argument("--data-plane", choices=["auto", "mooncake", "nixl"],
@@ -86,7 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto: today's choice (same-host, data stream, ZeroMQ)")
     p.add_argument("--fault", action="append", metavar="SPEC",
                    help="inject a fault while rooms run (repeatable): kill-sender:R, restart-receiver, "
-                        "pause-sender:R, drop-frames:P, corrupt-frames:P, slow-receiver:MS")
+                        "pause-sender:R, drop-frames:P, corrupt-frames:P, slow-receiver:MS, hostile-flood:N")
+
+    p = sub.add_parser("soak", help="run rooms through real daemons for minutes or hours while faults are injected "
+                       "one after another; every byte verified, memory, descriptors and pool files checked")
+    _common(p)
+    _sender_flags(p)
+    howlong = p.add_mutually_exclusive_group(required=True)
+    howlong.add_argument("--seconds", type=float, help="how long to inject faults and run rooms")
+    howlong.add_argument("--minutes", type=float, help="the same, in minutes")
+    p.add_argument("--json", metavar="PATH", help="write the report to PATH ('-': stdout, the JSON alone; the "
+                   "table goes to stderr then)")
+    p.add_argument("--chunks", type=int, help="chunks per room")
+    p.add_argument("--pages", type=int, help="pages per room (upper bound; rooms vary)")
+    p.add_argument("--in-flight", type=int, help="rooms per batch")
+    p.add_argument("--seed", type=int, help="random seed")
+    p.add_argument("--same-host", choices=["auto", "off"],
+                   help="auto: the receiver reads the senders' pools directly (one copy); off: all data over ZeroMQ")
 
     p = sub.add_parser("status", help="ask a running daemon how it is doing (exit 1 if it does not answer)")
     _common(p)
@@ -95,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ask the sender agent of this CP rank")
     who.add_argument("--receiver", action="store_true", help="ask the receiver (the default)")
     p.add_argument("--endpoint", help="engine socket to ask instead of the configured one")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output: stdout carries JSON alone (one "
+                   "line per refresh with --watch)")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS", help="refresh every N seconds")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
 
@@ -103,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     csub = p.add_subparsers(dest="config_cmd", required=True)
     c = csub.add_parser("check", help="validate files and print the resolved configuration")
     c.add_argument("files", nargs="+")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="stdout carries one JSON document alone (a list for "
+                   "several files); problems still go to stderr")
 
     p = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key, NAME.key_secret)")
     p.add_argument("directory")
@@ -112,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure the host's limits and transferd side by side")
     _common(p)
     p.add_argument("--quick", action="store_true", help="a short run (under a minute on 2 cores)")
-    p.add_argument("--json", metavar="PATH", help="write the results to PATH ('-' for stdout)")
+    p.add_argument("--json", metavar="PATH", help="write the results to PATH ('-': stdout, the JSON alone; the "
+                   "table goes to stderr then)")
     p.add_argument("--plot", metavar="PATH.png", help="draw throughput vs size and the de-dup bars (needs matplotlib)")
     p.add_argument("--repeats", type=int, help="interleaved rounds per measurement (median reported)")
     p.add_argument("--only", metavar="GLOBS", help="measure only the subjects matching these comma-separated "
@@ -136,7 +156,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str | None]:
         cfg = replace(cfg, **top)
     if args.cmd == "receiver":
         cfg = cfg.with_overrides("receiver", bind=args.bind, name=args.name)
-    if args.cmd in ("sender", "launch", "demo"):
+    if args.cmd in ("sender", "launch", "demo", "soak"):
         cfg = cfg.with_overrides("sender", cp_size=args.cp_size, split=args.split, group=args.group)
     if args.cmd == "sender":
         cfg = cfg.with_overrides("sender", cp_rank=args.cp_rank,
@@ -146,6 +166,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str | None]:
         cfg = cfg.with_overrides("receiver", data_plane=args.data_plane)
         cfg = cfg.with_overrides("demo", rooms=args.rooms, chunks=args.chunks, pages_per_room=args.pages,
                                  in_flight=args.in_flight, seed=args.seed)
+    if args.cmd == "soak":
+        cfg = cfg.with_overrides("sender", same_host=args.same_host)
+        cfg = cfg.with_overrides("demo", chunks=args.chunks, pages_per_room=args.pages, in_flight=args.in_flight,
+                                 seed=args.seed)
     return cfg, path
 
 
@@ -217,6 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             from .tools.demo import run_demo
 
             return run_demo(cfg, path, json_path=args.json, fault_specs=args.fault)
+        if args.cmd == "soak":
+            from .tools.soak import run_soak
+
+            seconds = args.seconds if args.seconds is not None else args.minutes * 60.0
+            if not seconds > 0:
+                print("transferd soak: the duration must be > 0", file=sys.stderr)
+                return 2
+            return run_soak(cfg, path, seconds, json_path=args.json)
         if args.cmd == "bench":
             from .tools.bench import run_bench
 

@@ -19,7 +19,7 @@ from transferd.config import load
 from transferd.errors import ClientTimeout
 from transferd.protocol.room import RoomState
 
-from .harness import POLL_S
+from .harness import POLL_S, Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_demo_over_mooncake_is_byte_exact_and_moves_every_byte_by_engine_reads(
                            "--split", split, "--rooms", "12", "--json", "-"],
                           cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    s = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])
+    s = json.loads(proc.stdout)  # the JSON alone: the summary went to stderr
     assert s["rooms_ok"] == 12 and s["rooms_failed"] == 0 and s["mismatched_bytes"] == 0 and s["stray_bytes"] == 0
     assert s["wire_bytes"] == s["expected_bytes"] == s["received_bytes"] and s["refused"] == {}
     moved = sum(s["wire_bytes"].values())
@@ -186,3 +186,60 @@ def test_demo_many_batches_reusing_rows(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads(out.read_text())
     assert s["rooms_ok"] == 48 and s["mismatched_bytes"] == 0 and s["corrupted_rooms"] == 0
+
+
+def test_json_dash_puts_the_json_alone_on_stdout_and_the_summary_on_stderr(tmp_path: Path, cluster: Cluster) -> None:
+    """``--json -`` (demo here; bench and soak in their own tests) and the ``--json`` flags (status,
+    config check): stdout parses as one JSON document in full, so ``transferd demo --json - | jq
+    .rooms_ok`` works; the human summary goes to stderr. Without ``--json -`` it stays on stdout."""
+    env = _env(tmp_path)
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "transferd", *argv], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    demo = run("demo", "--rooms", "4", "--json", "-")
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    s = json.loads(demo.stdout)
+    assert s["rooms_ok"] == 4 and s["mismatched_bytes"] == 0
+    assert "transferd demo: cp_size 2, split pages: 4 rooms ok, 0 failed" in demo.stderr and "PASS" in demo.stderr
+    plain = run("demo", "--rooms", "4")
+    assert plain.returncode == 0 and "4 rooms ok" in plain.stdout and "PASS" in plain.stdout
+    # config check --json: one document, for one file and for several
+    files = sorted(str(p) for p in (ROOT / "configs").glob("*.toml"))[:2]
+    one = run("config", "check", "--json", files[0])
+    assert one.returncode == 0 and json.loads(one.stdout)["file"] == files[0]
+    both = run("config", "check", "--json", *files)
+    assert both.returncode == 0 and [d["file"] for d in json.loads(both.stdout)] == files
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sender]\ncp_size = 2\ncp_rank = 2\n")
+    mixed = run("config", "check", "--json", files[0], str(bad))
+    docs = json.loads(mixed.stdout)
+    assert mixed.returncode == 2 and "config" in docs[0] and "cp_rank 2 is outside cp_size 2" in docs[1]["error"]
+    assert "INVALID" in mixed.stderr
+    # status --json, of a receiver and of a sender
+    ep, dc, _ = cluster.receiver()
+    pcs, _ = cluster.group("prefill0", 1, [ep])
+    cluster.until(lambda: len(dc.status()["groups"].get("prefill0", {}).get("ranks", {})) == 1, "registration")
+    rx = run("status", "--json", "--endpoint", dc.endpoint)
+    assert rx.returncode == 0, rx.stderr
+    st = json.loads(rx.stdout)
+    assert st["role"] == "receiver" and list(st["groups"]["prefill0"]["ranks"]) == ["0"]
+    tx = run("status", "--json", "--sender", "0", "--endpoint", pcs[0].endpoint)
+    assert tx.returncode == 0, tx.stderr
+    assert json.loads(tx.stdout)["role"] == "sender"
+
+
+def test_demo_hostile_flood_is_refused_in_full_and_fails_no_room(tmp_path: Path) -> None:
+    """``--fault hostile-flood:N``: a peer that never registers sends N garbage messages to the
+    receiver's ZeroMQ port while rooms are in flight; every one is refused and counted, every
+    room succeeds byte-exact, nothing is written outside the rooms."""
+    proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--rooms", "16", "--in-flight", "4",
+                           "--fault", "hostile-flood:5000", "--json", "-"], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(proc.stdout)
+    assert s["faults"] == ["hostile-flood:5000"] and s["recovered"] and s["rooms_after_fault"] == 4
+    assert s["rooms_ok"] == 16 and s["rooms_failed"] == 0 and s["mismatched_bytes"] == s["stray_bytes"] == 0
+    assert sum(s["refused"].values()) == 5000  # not msgpack, bad headers, wrong version, stray frames
+    assert {"decode", "malformed", "version"} <= set(s["refused"])

@@ -19,10 +19,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from ..config import Config, load
 from ..errors import ClientTimeout, ConfigError, TransferdError, UnknownRoom
 from ..layout import KINDS
 from ..pool.shm import Pool
-from .faults import FAULT_KINDS, Fault, parse_fault
+from .faults import FAULT_KINDS, PAUSE_S, Fault, HostilePeer, parse_fault
 from .launcher import Launcher
 from .progress import progress_bar
 from .rooms import Room, mismatches, write_guard
@@ -205,7 +205,8 @@ def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
         if not _passed(summary, cfg):
             _dump_logs(Path(run_dir) / "logs")
     summary.seconds = round(time.monotonic() - t_start, 3)
-    _print_summary(summary, _passed(summary, cfg))
+    # with --json -, stdout carries the JSON alone: the human summary goes to stderr
+    _print_summary(summary, _passed(summary, cfg), sys.stderr if json_path == "-" else sys.stdout)
     if json_path:
         text = json.dumps(summary.to_json(), indent=2, sort_keys=True)
         if json_path == "-":
@@ -239,11 +240,10 @@ def _dump_logs(log_dir: Path) -> None:
 class _Engines:
     """The synthetic engines' clients; a rank whose daemon is down is skipped until it is back."""
 
-    def __init__(self, cfg: Config, faulty: bool) -> None:
+    def __init__(self, cfg: Config, timeout_s: float) -> None:
         self.cfg = cfg
-        t = 2.0 if faulty else 60.0
-        self.dc = DecodeClient(cfg.receiver_engine_socket(), timeout_s=t)
-        self.pcs = [PrefillClient(cfg.sender_engine_socket(r), timeout_s=t) for r in range(cfg.sender.cp_size)]
+        self.dc = DecodeClient(cfg.receiver_engine_socket(), timeout_s=timeout_s)
+        self.pcs = [PrefillClient(cfg.sender_engine_socket(r), timeout_s=timeout_s) for r in range(cfg.sender.cp_size)]
         self.down: set[int] = set()
 
     def submit(self, room: DemoRoom, k: int) -> None:
@@ -269,120 +269,154 @@ class _Engines:
             pc.close()
 
 
-def _inject(f: Fault, launcher: Launcher, engines: _Engines, timers: list[threading.Timer]) -> None:
-    log.warning("injecting fault %s", f)
-    if f.kind == "kill-sender":
-        launcher.kill(f"sender r{int(f.arg)}", signal.SIGKILL)
-        engines.down.add(int(f.arg))
-    elif f.kind == "restart-receiver":
-        launcher.kill("receiver", signal.SIGKILL)
-    elif f.kind == "pause-sender":
-        label = f"sender r{int(f.arg)}"
-        launcher.kill(label, signal.SIGSTOP)
-        engines.down.add(int(f.arg))
-        t = threading.Timer(3.0, launcher.kill, (label, signal.SIGCONT))
-        t.start()
-        timers.append(t)
+class RoomRunner:
+    """Rooms in batches through one set of running daemons (a :class:`Launcher`), every byte
+    verified: the demo's engines, pools and row allocators, and the faults injected into them.
+    ``transferd demo`` runs one; ``transferd soak`` runs one per fleet and daemon configuration.
+    Outcomes are added to ``summary``."""
 
+    def __init__(self, cfg: Config, launcher: Launcher, summary: Summary, *, engine_timeout_s: float,
+                 seed: int | None = None) -> None:
+        d = cfg.demo
+        self.cfg, self.launcher, self.summary = cfg, launcher, summary
+        seed = d.seed if seed is None else seed
+        self.rng = np.random.default_rng(seed)
+        self.dpool = Pool.attach(cfg.receiver_pool_name())
+        self.spools = [Pool.attach(cfg.sender_pool_name(r)) for r in range(cfg.sender.cp_size)]
+        layout = self.layout = self.dpool.layout
+        self.comps = layout.state_components
+        for r, p in enumerate(self.spools):  # different bytes on every rank
+            _fill(p, np.random.default_rng(seed * 1000 + r + 1))
+        _fill(self.dpool, np.random.default_rng(seed * 1000))
+        self.snapshot = [rows.copy() for rows in self.dpool.rows]
+        self.touched = [np.zeros(rows.shape[0], dtype=bool) for rows in self.dpool.rows]
+        rng = self.rng
+        self.dec = {"kv": _Alloc(layout.kv_rows, rng), "aux": _Alloc(layout.buffers[layout.aux_index].rows, rng),
+                    **{c: _Alloc(layout.rows_of("state", c), rng) for c in self.comps}}
+        self.src = [{"kv": _Alloc(p.layout.kv_rows, rng), "aux": _Alloc(p.layout.buffers[p.layout.aux_index].rows, rng),
+                     **{c: _Alloc(p.layout.rows_of("state", c), rng) for c in self.comps}} for p in self.spools]
+        self.engines = _Engines(cfg, engine_timeout_s)
+        self.timers: list[threading.Timer] = []
+        self.made = 0
+        self._flood: tuple[HostilePeer, int, dict[str, Any]] | None = None  # the peer, refused before, record
 
-def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
-    d, s = cfg.demo, cfg.sender
-    cp = s.cp_size
-    rng = np.random.default_rng(d.seed)
-    dpool = Pool.attach(cfg.receiver_pool_name())
-    spools = [Pool.attach(cfg.sender_pool_name(r)) for r in range(cp)]
-    layout = dpool.layout
-    comps = layout.state_components
-    for r, p in enumerate(spools):  # different bytes on every rank
-        g = np.random.default_rng(d.seed * 1000 + r + 1)
-        for rows in p.rows:
-            rows[:] = g.integers(0, 256, rows.shape, dtype=np.uint8)
-    g = np.random.default_rng(d.seed * 1000)
-    for rows in dpool.rows:
-        rows[:] = g.integers(0, 256, rows.shape, dtype=np.uint8)
-    snapshot = [rows.copy() for rows in dpool.rows]
-    dec = {"kv": _Alloc(layout.kv_rows, rng), "aux": _Alloc(layout.buffers[layout.aux_index].rows, rng),
-           **{c: _Alloc(layout.rows_of("state", c), rng) for c in comps}}
-    src = [{"kv": _Alloc(p.layout.kv_rows, rng), "aux": _Alloc(p.layout.buffers[p.layout.aux_index].rows, rng),
-            **{c: _Alloc(p.layout.rows_of("state", c), rng) for c in comps}} for p in spools]
-    process_faults = [f for f in faults if f.process]
-    engines = _Engines(cfg, bool(faults))
-    dc = engines.dc
-    summary = Summary(cp_size=cp, split=cfg.split.value, faults=[str(f) for f in faults])
-    touched = [np.zeros(rows.shape[0], dtype=bool) for rows in dpool.rows]
-    n_batches = math.ceil(d.rooms / max(1, d.in_flight))
-    fault_batch = n_batches // 2 if process_faults else -1
-    timers: list[threading.Timer] = []
-    done = 0
-    bar = progress_bar(enabled=sys.stderr.isatty(),  # a bar on a terminal only
-                       total=d.rooms, unit="room", desc="transferd demo", file=sys.stderr, leave=False)
-    try:
-        for bi in range(n_batches):
-            batch = [_make_room(done + i, cfg, rng, dec, src, comps, spools)
-                     for i in range(min(d.in_flight, d.rooms - done))]
-            for room in batch:  # what the decode side holds in the prefix rows (earlier rooms wrote there)
-                room.prefix_before = [dpool.rows[b][room.dst[:room.prefix]].copy() for b in layout.indices("kv")]
-            for i, room in enumerate(batch):
-                early = i % 2 == 1  # the prefill engine is sometimes ahead of the decode side
-                if early:
-                    engines.submit(room, 0)
-                try:
-                    dc.expect(room.room, s.group, room.dst, aux_slot=room.aux_dst, prefix_pages=room.prefix,
-                              state={c: v for c, v in room.state_dst.items()})
-                except (ClientTimeout, TransferdError) as exc:
-                    room.status, room.reason = "failed", f"expect: {exc}"
-                if not early:
-                    engines.submit(room, 0)
-            if bi == fault_batch:
-                for f in process_faults:
-                    _inject(f, launcher, engines, timers)
-            for k in range(1, max(len(r.chunks) for r in batch)):
-                for room in batch:
-                    if k < len(room.chunks):
-                        engines.submit(room, k)
+    def batch(self, n: int, inject: Callable[[], None] | None = None) -> list[DemoRoom]:
+        """Run ``n`` rooms at once to their end and verify them: each expected (every other one
+        after its first chunk, as a prefill engine ahead of the decode side), then ``inject()``
+        (faults), then the other chunks; then every room settled, checked and its rows given back."""
+        cfg, s, layout, summary = self.cfg, self.cfg.sender, self.layout, self.summary
+        batch = [_make_room(self.made + i, cfg, self.rng, self.dec, self.src, self.comps, self.spools) for i in range(n)]
+        self.made += n
+        for room in batch:  # what the decode side holds in the prefix rows (earlier rooms wrote there)
+            room.prefix_before = [self.dpool.rows[b][room.dst[:room.prefix]].copy() for b in layout.indices("kv")]
+        for i, room in enumerate(batch):
+            early = i % 2 == 1  # the prefill engine is sometimes ahead of the decode side
+            if early:
+                self.engines.submit(room, 0)
+            try:
+                self.engines.dc.expect(room.room, s.group, room.dst, aux_slot=room.aux_dst, prefix_pages=room.prefix,
+                                       state={c: v for c, v in room.state_dst.items()})
+            except (ClientTimeout, TransferdError) as exc:
+                room.status, room.reason = "failed", f"expect: {exc}"
+            if not early:
+                self.engines.submit(room, 0)
+        if inject is not None:
+            inject()
+        for k in range(1, max(len(r.chunks) for r in batch)):
             for room in batch:
-                _settle(room, engines, cfg, launcher)
-                if room.status == "success":
-                    room.mismatched = _verify(room, cfg, dpool, spools)
-                    summary.rooms_ok += 1
-                    if room.mismatched:
-                        summary.corrupted_rooms += 1
-                else:
-                    summary.rooms_failed += 1
-                    key = room.code or "failed"
-                    summary.rooms_failed_by_reason[key] = summary.rooms_failed_by_reason.get(key, 0) + 1
-                    log.info("room %d: failed (%s) %s", room.room, room.code, room.reason)
-                    if fault_batch >= 0 and bi > fault_batch:
-                        summary.recovered = False
-                if fault_batch >= 0 and bi > fault_batch:
-                    summary.rooms_after_fault += 1
-                bar.update(1)
-                summary.mismatched_bytes += room.mismatched
-                _account_expected(summary, room, layout)
-                _mark(touched, room, layout)
-                # give rows back; the next batch reuses them (catches writes that arrive late)
-                dec["kv"].give(room.dst)
-                dec["aux"].give([room.aux_dst])
-                for c in comps:
-                    dec[c].give(room.state_dst[c])
-                for r in range(cp):
-                    src[r]["kv"].give(room.src[r])
-                    src[r]["aux"].give([room.aux_src[r]])
-                    for c in comps:
-                        src[r][c].give(room.state_src[r][c])
-            done += len(batch)
-            if bi == fault_batch:
-                _recover(launcher, engines, timers)
-        if process_faults and fault_batch == n_batches - 1:
-            summary.recovered = False  # the fault hit the last batch: recovery was never shown
-        # nothing outside the destination rows may have changed
-        for b, rows in enumerate(dpool.rows):
-            untouched = ~touched[b]
-            summary.stray_bytes += int(np.count_nonzero(rows[untouched] != snapshot[b][untouched]))
-        rx = dc.stats()
+                if k < len(room.chunks):
+                    self.engines.submit(room, k)
+        for room in batch:
+            _settle(room, self.engines, cfg, self.launcher)
+            if room.status == "success":
+                room.mismatched = _verify(room, cfg, self.dpool, self.spools)
+                summary.rooms_ok += 1
+                if room.mismatched:
+                    summary.corrupted_rooms += 1
+            else:
+                summary.rooms_failed += 1
+                key = room.code or "failed"
+                summary.rooms_failed_by_reason[key] = summary.rooms_failed_by_reason.get(key, 0) + 1
+                log.info("room %d: failed (%s) %s", room.room, room.code, room.reason)
+            summary.mismatched_bytes += room.mismatched
+            _account_expected(summary, room, layout)
+            _mark(self.touched, room, layout)
+            # give rows back; the next batch reuses them (catches writes that arrive late)
+            self.dec["kv"].give(room.dst)
+            self.dec["aux"].give([room.aux_dst])
+            for c in self.comps:
+                self.dec[c].give(room.state_dst[c])
+            for r in range(s.cp_size):
+                self.src[r]["kv"].give(room.src[r])
+                self.src[r]["aux"].give([room.aux_src[r]])
+                for c in self.comps:
+                    self.src[r][c].give(room.state_src[r][c])
+        return batch
+
+    def inject(self, f: Fault, *, restart_now: bool = False) -> dict[str, Any]:
+        """Inject a process fault into the running daemons; returns what was done (for reports).
+        ``restart_now``: a killed receiver is started again at once (the demo waits until its
+        engine times out on it)."""
+        log.warning("injecting fault %s", f)
+        launcher, engines = self.launcher, self.engines
+        detail: dict[str, Any] = {}
+        if f.kind == "kill-sender":
+            label = f"sender r{int(f.arg)}"
+            detail["pid"] = _pid(launcher, label)
+            launcher.kill(label, signal.SIGKILL)
+            engines.down.add(int(f.arg))
+        elif f.kind == "restart-receiver":
+            detail["pid"] = _pid(launcher, "receiver")
+            launcher.kill("receiver", signal.SIGKILL)
+            if restart_now:
+                launcher.supervise_once()
+        elif f.kind == "pause-sender":
+            label = f"sender r{int(f.arg)}"
+            detail["pid"] = _pid(launcher, label)
+            launcher.kill(label, signal.SIGSTOP)
+            engines.down.add(int(f.arg))
+            t = threading.Timer(PAUSE_S, launcher.kill, (label, signal.SIGCONT))
+            t.start()
+            self.timers.append(t)
+            detail["paused_s"] = PAUSE_S
+        elif f.kind == "hostile-flood":
+            before = _refused_total(engines.dc)
+            peer = HostilePeer(launcher.receiver_endpoint, seed=self.made)
+            self._flood = (peer, before, detail)
+            detail["sent"] = peer.send(int(f.arg))
+        return detail
+
+    def recover(self, timeout_s: float = 60.0) -> None:
+        """After a process fault: the paused sender resumed, dead daemons restarted, every rank
+        registered again, and (a flood) every garbage message counted as refused."""
+        deadline = time.monotonic() + timeout_s
+        for t in self.timers:
+            t.join()
+        self.timers.clear()
+        self.launcher.supervise_once()  # restarts what was killed
+        self.launcher.wait_registered(deadline)
+        self.engines.down.clear()
+        if self._flood is not None:
+            peer, before, detail = self._flood
+            self._flood = None
+            try:
+                while True:  # the receiver works through its queue of garbage
+                    peer.drain()
+                    detail["refused"] = _refused_total(self.engines.dc) - before
+                    if detail["refused"] >= peer.sent or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
+            finally:
+                peer.close()
+
+    def finish(self) -> None:
+        """Add the bytes changed outside every room's rows, and the daemons' counters, to the summary."""
+        summary = self.summary
+        summary.stray_bytes += self.stray_bytes()  # nothing outside the destination rows may have changed
+        rx = self.engines.dc.stats()
         summary.received_bytes = dict(rx["bytes"])
         summary.refused = dict(rx["refused"])
-        for pc in engines.pcs:
+        for pc in self.engines.pcs:
             st = pc.stats()
             for kind in KINDS:
                 summary.wire_bytes[kind] += st["bytes"][kind]
@@ -393,14 +427,71 @@ def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
             summary.nixl_bytes += st["nixl_bytes"]
         summary.bytes_by_path = by_path(sum(summary.wire_bytes.values()), summary.same_host_bytes,
                                         summary.stream_bytes, summary.mooncake_bytes, summary.nixl_bytes)
+
+    def stray_bytes(self) -> int:
+        """Decode-pool bytes changed outside every room's destination rows so far."""
+        return sum(int(np.count_nonzero(rows[~self.touched[b]] != self.snapshot[b][~self.touched[b]]))
+                   for b, rows in enumerate(self.dpool.rows))
+
+    def close(self) -> None:
+        for t in self.timers:
+            t.cancel()
+        if self._flood is not None:
+            self._flood[0].close()
+        self.engines.close()
+        self.dpool.close()
+        for p in self.spools:
+            p.close()
+
+
+def _fill(pool: Pool, g: np.random.Generator) -> None:
+    """Random bytes in every row of every buffer."""
+    for rows in pool.rows:
+        rows[:] = np.frombuffer(g.bytes(rows.size), np.uint8).reshape(rows.shape)
+
+
+def _pid(launcher: Launcher, label: str) -> int | None:
+    c = next((c for c in launcher.children if c.label == label), None)
+    return None if c is None or c.proc is None else c.proc.pid
+
+
+def _refused_total(dc: DecodeClient) -> int:
+    return sum(dc.stats()["refused"].values())
+
+
+def _run_rooms(cfg: Config, launcher: Launcher, faults: list[Fault]) -> Summary:
+    d = cfg.demo
+    process_faults = [f for f in faults if f.process]
+    summary = Summary(cp_size=cfg.sender.cp_size, split=cfg.split.value, faults=[str(f) for f in faults])
+    n_batches = math.ceil(d.rooms / max(1, d.in_flight))
+    fault_batch = n_batches // 2 if process_faults else -1
+    runner = RoomRunner(cfg, launcher, summary, engine_timeout_s=2.0 if faults else 60.0)
+    done = 0
+    bar = progress_bar(enabled=sys.stderr.isatty(),  # a bar on a terminal only
+                       total=d.rooms, unit="room", desc="transferd demo", file=sys.stderr, leave=False)
+    try:
+        for bi in range(n_batches):
+            inject = None
+            if bi == fault_batch:
+                def inject() -> None:
+                    for f in process_faults:
+                        runner.inject(f)
+            batch = runner.batch(min(d.in_flight, d.rooms - done), inject)
+            for room in batch:
+                if fault_batch >= 0 and bi > fault_batch:
+                    summary.rooms_after_fault += 1
+                    if room.status != "success":
+                        summary.recovered = False
+                bar.update(1)
+            done += len(batch)
+            if bi == fault_batch:
+                runner.recover()
+        if process_faults and fault_batch == n_batches - 1:
+            summary.recovered = False  # the fault hit the last batch: recovery was never shown
+        runner.finish()
     finally:
         bar.close()
-        for t in timers:
-            t.cancel()
-        engines.close()
-        dpool.close()
-        for p in spools:
-            p.close()
+        runner.close()
     return summary
 
 
@@ -436,14 +527,6 @@ def _settle(room: DemoRoom, engines: _Engines, cfg: Config, launcher: Launcher) 
             room.status, room.code, room.reason = "failed", pst.code, f"rank {r}: {pst.reason}"
 
 
-def _recover(launcher: Launcher, engines: _Engines, timers: list[threading.Timer]) -> None:
-    for t in timers:
-        t.join()
-    launcher.supervise_once()  # restarts what was killed
-    launcher.wait_registered(time.monotonic() + 60.0)
-    engines.down.clear()
-
-
 def _account_expected(summary: Summary, room: DemoRoom, layout: Any) -> None:
     summary.expected_bytes["kv"] += (room.n - room.prefix) * layout.kv_page_bytes()
     summary.expected_bytes["state"] += sum(
@@ -469,10 +552,10 @@ def _mb(x: int) -> str:
     return f"{x / 1e6:.2f} MB"
 
 
-def _print_summary(s: Summary, ok: bool) -> None:
+def _print_summary(s: Summary, ok: bool, out: TextIO) -> None:
     total_wire = sum(s.wire_bytes.values())
     print(f"transferd demo: cp_size {s.cp_size}, split {s.split}: {s.rooms_ok} rooms ok, {s.rooms_failed} failed, "
-          f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}")
+          f"{s.mismatched_bytes} mismatched bytes in {s.seconds:.2f}s — {'PASS' if ok else 'FAIL'}", file=out)
     over_zmq = s.bytes_by_path["zmq"]
     via = "".join([f", {_mb(s.mooncake_bytes)} of it by Mooncake TE reads" if s.mooncake_bytes else "",
                    f", {_mb(s.nixl_bytes)} of it by NIXL reads" if s.nixl_bytes else "",
@@ -480,12 +563,12 @@ def _print_summary(s: Summary, ok: bool) -> None:
                    f", {_mb(s.stream_bytes)} on data streams" if s.stream_bytes else "",
                    f", {_mb(over_zmq)} through ZeroMQ" if over_zmq else ""])
     print(f"  moved:    kv {_mb(s.wire_bytes['kv'])}, state {_mb(s.wire_bytes['state'])}, aux {_mb(s.wire_bytes['aux'])}"
-          f" (total {_mb(total_wire)}{via})")
+          f" (total {_mb(total_wire)}{via})", file=out)
     print(f"  expected: kv {_mb(s.expected_bytes['kv'])}, state {_mb(s.expected_bytes['state'])}, "
-          f"aux {_mb(s.expected_bytes['aux'])} (one copy of each)")
-    print(f"  de-dup:   {_mb(s.state_bytes_skipped)} of replicated state not sent")
+          f"aux {_mb(s.expected_bytes['aux'])} (one copy of each)", file=out)
+    print(f"  de-dup:   {_mb(s.state_bytes_skipped)} of replicated state not sent", file=out)
     if s.rooms_failed_by_reason:
-        print("  failures: " + ", ".join(f"{k} {v}" for k, v in sorted(s.rooms_failed_by_reason.items())))
+        print("  failures: " + ", ".join(f"{k} {v}" for k, v in sorted(s.rooms_failed_by_reason.items())), file=out)
     if s.faults:
         print(f"  faults:   {', '.join(s.faults)}; corrupted rooms {s.corrupted_rooms}; "
-              f"{'recovered' if s.recovered else 'NOT recovered'} ({s.rooms_after_fault} rooms after the fault)")
+              f"{'recovered' if s.recovered else 'NOT recovered'} ({s.rooms_after_fault} rooms after the fault)", file=out)

@@ -17,18 +17,22 @@ from ..errors import ClientTimeout, TransferdError
 
 def config_check(paths: list[str], as_json: bool = False) -> int:
     """Validate each file (with the ``TRANSFERD_*`` environment applied) and print the resolved
-    configuration; exit 2 naming the first problem of every bad file."""
+    configuration; exit 2 naming the first problem of every bad file. ``as_json``: stdout carries
+    one JSON document alone — ``{"file", "config"}`` (or ``{"file", "error"}``) for one file, a
+    list of them for several — and problems still go to stderr."""
     bad = 0
+    docs: list[dict[str, Any]] = []
     for p in paths:
         try:
             cfg = load(p)
         except TransferdError as exc:
             print(f"{p}: INVALID: {exc}", file=sys.stderr)
+            docs.append({"file": p, "error": str(exc)})
             bad += 1
             continue
         resolved = dataclasses.asdict(cfg)
         if as_json:
-            print(json.dumps({"file": p, "config": resolved}, default=list, indent=2))
+            docs.append({"file": p, "config": resolved})
         else:
             print(f"{p}: OK")
             for section, value in resolved.items():
@@ -44,6 +48,8 @@ def config_check(paths: list[str], as_json: bool = False) -> int:
                   f"{len(layout.indices('state'))} state buffers; {layout.kv_page_bytes()} KV bytes per page")
             print(f"  # receiver engine socket {cfg.receiver_engine_socket()}, pool {cfg.receiver_pool_name()}; "
                   f"sender rank {s.cp_rank} engine socket {cfg.sender_engine_socket()}, pool {cfg.sender_pool_name()}")
+    if as_json:
+        print(json.dumps(docs[0] if len(docs) == 1 else docs, default=list, indent=2))
     return 2 if bad else 0
 
 
@@ -109,7 +115,8 @@ def status(cfg: Config, sender_rank: int | None, endpoint: str | None, as_json: 
         client.close()
 
 
-def _table(rows: list[list[str]]) -> list[str]:
+def table(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as aligned lines (each indented by two spaces); the first row is the header."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -126,7 +133,7 @@ def render(st: dict[str, Any], rate: float) -> str:
             for rank, rv in sorted(gv["ranks"].items(), key=lambda kv: int(kv[0])):
                 rows.append([g, str(gv["cp_size"]), gv["split"], rank, f"{rv['incarnation']:016x}", str(rv["pid"]),
                              rv["host"], f"{rv['last_seen_s']:.1f}s ago"])
-        out += ["registered ranks:"] + (_table(rows) if len(rows) > 1 else ["  (none)"])
+        out += ["registered ranks:"] + (table(rows) if len(rows) > 1 else ["  (none)"])
     else:
         out.append(f"sender {st['group']}/r{st['rank']} of cp {st['cp_size']} ({st['split']})  pid {st['pid']} on "
                    f"{st['host']}  incarnation {st['incarnation']:016x}  up {s['uptime_s']:.0f}s  "
@@ -135,7 +142,7 @@ def render(st: dict[str, Any], rate: float) -> str:
         for r in st["receivers"]:
             heard = "-" if r["last_heard_s"] is None else f"{r['last_heard_s']:.1f}s ago"
             rows.append([r["receiver"] or "?", r["endpoint"], r["state"], heard, r["reason"]])
-        out += ["receivers:", *_table(rows)]
+        out += ["receivers:", *table(rows)]
     rooms = ", ".join(f"{k} {v}" for k, v in sorted(st["rooms"].items())) or "none"
     out.append(f"rooms: {rooms}")
     b = s["bytes"]

@@ -6,6 +6,7 @@ SIGKILL after a deadline). :class:`~transferd.tools.launcher.Launcher` (``transf
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -63,6 +64,21 @@ class Proc:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def usage(pid: int) -> dict[str, int] | None:
+    """A running process's memory and descriptors: ``rss_kb`` (``VmRSS`` of ``/proc/PID/status``),
+    its parts ``rss_anon_kb`` (private memory: where a leak shows) and ``rss_shmem_kb`` (shared
+    memory mapped and touched: a daemon's pool pages, up to the pool's size), and ``fds`` (entries
+    of ``/proc/PID/fd``). None once it is gone."""
+    fields = {"VmRSS": "rss_kb", "RssAnon": "rss_anon_kb", "RssShmem": "rss_shmem_kb"}
+    try:
+        out = {fields[k]: int(v.split()[0]) for k, _, v in
+               (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines()) if k in fields}
+        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, ValueError, IndexError):
+        return None
+    return out
 
 
 def exited(procs: Sequence[Proc]) -> Proc | None:
