@@ -81,6 +81,51 @@ def test_limits_and_bulk_have_a_figure_per_size(run: tuple[dict[str, Any], str])
     assert out["ratios"]["tcp_vs_raw_zmq"] == out["bulk"]["1MiB"]["vs_raw_zmq"]
 
 
+def test_cp8_bulk_beside_eight_raw_tcp_connections(run: tuple[dict[str, Any], str]) -> None:
+    """Eight sender daemons (one cp 8 group) into one receiver on the bytes of one cp 1 bulk/1MiB
+    measurement, beside eight raw TCP connections into one process, in one block; rooms verified
+    byte for byte."""
+    out, table = run
+    c8, x8 = out["cp8"], out["limits"]["raw_tcp_x8"]["1MiB"]
+    assert c8["cp_size"] == 8 and c8["split"] == "pages" and c8["row_bytes"] == 1 << 20
+    assert c8["pages_per_room"] % 8 == 0 and c8["pages_per_rank_per_room"] * 8 == c8["pages_per_room"]
+    # each rank's pool holds only its share: its pages of every room
+    assert c8["rank_pool_pages"] * 8 == c8["pages_per_room"] * c8["rooms_per_measurement"]
+    kv = c8["rooms_per_measurement"] * c8["pages_per_room"] * c8["kv_buffers"] * c8["row_bytes"]
+    assert kv == out["limits"]["bytes_per_measurement"]  # the same bytes as cp 1 bulk/1MiB and the limits
+    assert c8["bytes_per_measurement"] == kv + c8["rooms_per_measurement"] * 64  # and the aux rows
+    assert c8["stream_share"] == 1.0  # every rank on its data stream: the TCP path
+    assert c8["verified_rooms"] == len(c8["rounds"]) + 1 and c8["mismatched_bytes"] == 0  # + the warm-up
+    assert len(c8["rounds"]) == len(c8["raw_tcp_x8_rounds"]) == len(x8["rounds"]) == out["repeats"]
+    for k in ("gbps", "raw_tcp_x8_gbps", "vs_raw_tcp_x8", "receiver_cpu_s_per_gb", "sender_cpu_s_per_gb",
+              "raw_tcp_x8_receiver_cpu_s_per_gb", "raw_tcp_x8_sender_cpu_s_per_gb", "sender_cpu_vs_cp1"):
+        assert _pos(c8[k]), (k, c8)
+    assert x8["connections"] == 8 and x8["gbps"] == c8["raw_tcp_x8_gbps"]
+    r = out["ratios"]
+    assert r["cp8_tcp_vs_raw_tcp"] == c8["vs_raw_tcp_x8"] and r["cp8_sender_cpu_vs_cp1"] == c8["sender_cpu_vs_cp1"]
+    assert r["tcp_vs_raw_tcp"] == out["bulk"]["1MiB"]["vs_raw_tcp"]
+    assert "CP8 bulk over TCP" in table and "eight raw tcp connections" in table
+
+
+def test_targets_are_issue_14s_each_with_value_and_met(run: tuple[dict[str, Any], str]) -> None:
+    out, table = run
+    t = out["targets"]
+    names = ["bulk.1MiB.vs_raw_tcp >= 0.9", "bulk.256KiB.vs_raw_tcp >= 0.9", "bulk.64KiB.vs_raw_tcp >= 0.75",
+             "same_host_vs_memcpy >= 0.9", "small_rooms.cp1.p50_ms <= 1", "small_rooms.cp1.p99_ms <= 3",
+             "small_rooms.cp1.rooms_per_s >= 3000", "small_rooms.cp8.rooms_per_s >= 1000",
+             "cp8_tcp_vs_raw_tcp >= 0.85", "cp8_sender_cpu_vs_cp1 <= 1.5", ">= 1.3x mooncake tcp",
+             "dedup.cp8.measured_cut == analytic_cut", "dedup.cp8 time on < off"]
+    for name in names:
+        assert set(t[name]) >= {"value", "target", "met"}, name
+        assert name in table, name
+        if name != ">= 1.3x mooncake tcp" or importlib.util.find_spec("mooncake") is not None:
+            assert isinstance(t[name]["met"], bool), (name, t[name])  # reported, not asserted
+    assert t["bulk.64KiB.vs_raw_tcp >= 0.75"]["value"] == out["bulk"]["64KiB"]["vs_raw_tcp"]
+    assert t["cp8_tcp_vs_raw_tcp >= 0.85"]["value"] == out["ratios"]["cp8_tcp_vs_raw_tcp"]
+    assert t["small_rooms.cp1.p99_ms <= 3"]["value"] == out["small_rooms"]["cp1"]["p99_ms"]
+    assert t["dedup.cp8.measured_cut == analytic_cut"]["met"] is True  # from byte counters: exact
+
+
 def test_same_host_column_when_transferd_has_the_path(run: tuple[dict[str, Any], str]) -> None:
     out, _ = run
     sh = out["same_host"]

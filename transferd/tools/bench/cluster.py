@@ -152,10 +152,12 @@ class Fleet:
                                 deadline)
 
     def group(self, c: Cluster, name: str, cp: int, same_host: bool = False, dedup: bool = True,
-              stream: bool = True, mooncake: bool = False) -> Group:
+              stream: bool = True, mooncake: bool = False, kv_pages: int | None = None) -> Group:
         """Start the ``cp`` sender daemons of a group feeding ``c`` (over TCP loopback unless asked;
-        ``mooncake``: the receiver reads the rows with Mooncake TE)."""
-        env = {**c.env, "TRANSFERD_SENDER_GROUP": name, "TRANSFERD_SENDER_CP_SIZE": str(cp),
+        ``mooncake``: the receiver reads the rows with Mooncake TE; ``kv_pages``: each rank's pool
+        holds that many KV pages instead of the cluster's)."""
+        env = {**c.env, **({"TRANSFERD_SENDER_KV_PAGES": str(kv_pages)} if kv_pages is not None else {}),
+               "TRANSFERD_SENDER_GROUP": name, "TRANSFERD_SENDER_CP_SIZE": str(cp),
                "TRANSFERD_SENDER_DATA_PLANE": "mooncake" if mooncake else "auto",
                "TRANSFERD_SENDER_DEDUP": "true" if dedup else "false",
                "TRANSFERD_SENDER_DATA_STREAM": "auto" if stream else "off",

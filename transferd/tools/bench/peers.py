@@ -1,14 +1,17 @@
 """The baselines beside transferd: one-thread memcpy between two buffers of a shared-memory pool,
 raw pyzmq PUSH/PULL and a raw TCP socket from a sender in its own process
 (:func:`raw_zmq_sender_main`), and Mooncake Transfer Engine's TCP transport when it is importable
-(:class:`Mooncake`, target :func:`mooncake_target_main`). The limits' pool holds the source in
-buffer 0 and the destination in buffer 1, as many bytes as a bulk measurement."""
+(:class:`Mooncake`, target :func:`mooncake_target_main`), and eight raw TCP connections from
+eight sender processes (:mod:`.tcp_sender`) into this one, beside the CP8 bulk rooms. The limits'
+pool holds the source in buffer 0 and the destination in buffer 1, as many bytes as a bulk
+measurement."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import selectors
 import socket
 import subprocess
 import sys
@@ -25,10 +28,11 @@ import zmq
 from ...daemon.malloc import keep_message_buffers_mapped
 from ...errors import TransferdError
 from ...layout import ModelSpec
-from ...pool.shm import Pool
+from ...pool.shm import Pool, pool_path
 from ...transport.data_stream import RECV_CHUNK
 from ..procs import ProcessGroup, popen
-from .plan import POISON, SIZES, Filler, MiB, Plan, cpu_seconds, repo_root
+from .plan import CP8, POISON, SIZES, Filler, MiB, Plan, cpu_seconds, repo_root
+from .tcp_sender import CMD
 
 
 class Limits:
@@ -44,6 +48,9 @@ class Limits:
         self.ctrl: zmq.Socket[Any] | None = None
         self.tcp_listen: socket.socket | None = None
         self.tcp: socket.socket | None = None  # the raw TCP limit's receiving end
+        self.x8_listen: socket.socket | None = None
+        self.x8: list[subprocess.Popen[bytes]] = []  # the eight raw TCP senders (.tcp_sender)
+        self.x8_socks: list[socket.socket] = []  # their connections' receiving ends
         self.mooncake: Mooncake | None = None
 
     @property
@@ -61,6 +68,7 @@ class Limits:
         # buffers mapped (transferd/malloc.py)
         keep_message_buffers_mapped()
         self._start_raw_sender(procs)
+        self._start_x8_senders(procs)
         if importlib.util.find_spec("mooncake") is None:
             notes["peers"] = ("mooncake-transfer-engine-non-cuda is not installed: no Mooncake column "
                               "(pip install mooncake-transfer-engine-non-cuda; it needs Debian's libibverbs1)")
@@ -94,6 +102,18 @@ class Limits:
                 f"127.0.0.1:{self.tcp_listen.getsockname()[1]}"]
         self.raw = procs.spawn("raw-zmq-sender", argv, {}).proc
 
+    def _start_x8_senders(self, procs: ProcessGroup) -> None:
+        """The eight raw TCP senders: each maps buffer 0 of the pool and connects here."""
+        assert self.pool is not None
+        self.x8_listen = socket.create_server(("127.0.0.1", 0), backlog=CP8)
+        self.x8_listen.settimeout(60)
+        script = str(Path(__file__).with_name("tcp_sender.py"))
+        src = self.pool.rows[0]
+        for k in range(CP8):
+            argv = [sys.executable, script, f"127.0.0.1:{self.x8_listen.getsockname()[1]}",
+                    str(pool_path(self.pool.name)), str(self.pool.offsets[0]), str(src.nbytes)]
+            self.x8.append(procs.spawn(f"raw-tcp-sender-{k}", argv, {}).proc)
+
     def wait_ready(self, check: Callable[[], None]) -> None:
         """Until the raw sender says it is ready (``check`` raises if a child died meanwhile)."""
         assert self.ctrl is not None
@@ -107,6 +127,12 @@ class Limits:
         assert self.tcp_listen is not None
         self.tcp, _ = self.tcp_listen.accept()  # it connected before it said ready
         self.tcp.settimeout(30)
+        assert self.x8_listen is not None
+        while len(self.x8_socks) < CP8:  # which sender a connection is does not matter: each gets a slice
+            check()
+            conn, _ = self.x8_listen.accept()
+            conn.setblocking(False)
+            self.x8_socks.append(conn)
 
     # -- subjects ------------------------------------------------------------------------
     def memcpy(self, key: str) -> dict[str, Any]:
@@ -179,6 +205,61 @@ class Limits:
                     got += k
         return self._raw(key, "tcp", receive)
 
+    def raw_tcp_x8(self, key: str) -> dict[str, Any]:
+        """Eight raw TCP connections into this one process, beside the CP8 bulk rooms: each of
+        the eight sender processes sends its eighth of the bulk bytes in messages of ``key``'s
+        size (``sendall`` out of the pool); this process takes them with non-blocking sockets and
+        a selector, ``recv_into`` straight into that eighth of the destination ring, at most
+        ``RECV_CHUNK`` a read as the data stream reads. CPU of this process and of the eight
+        senders summed, per GB."""
+        assert self.pool is not None and len(self.x8_socks) == CP8
+        size = SIZES[key]
+        mem = self.pool.rows[1].reshape(-1).data
+        share = self.total // CP8 // size * size
+        socks = self.x8_socks
+        got = [0] * CP8
+        pids = [os.getpid()] + [p.pid for p in self.x8]
+        cpu0 = [cpu_seconds(pid) for pid in pids]
+        sel = selectors.DefaultSelector()
+        try:
+            t0 = time.perf_counter()
+            for k, s in enumerate(socks):
+                if s.send(CMD.pack(k * share, share, size)) != CMD.size:
+                    raise TransferdError("bench: a raw tcp x8 command did not fit the socket buffer")
+                sel.register(s, selectors.EVENT_READ, k)
+            left = CP8
+            while left:
+                events = sel.select(30.0)
+                if not events:
+                    raise TransferdError("bench: the raw tcp x8 senders went quiet")
+                for ev, _ in events:
+                    k = ev.data
+                    s, base, n = socks[k], k * share, got[k]
+                    try:
+                        while n < share:  # until the socket is drained
+                            r = s.recv_into(mem[base + n:base + min(n + RECV_CHUNK, share)])
+                            if not r:
+                                raise TransferdError("bench: a raw tcp x8 sender closed its connection")
+                            n += r
+                    except BlockingIOError:
+                        pass
+                    got[k] = n
+                    if n == share:
+                        sel.unregister(s)
+                        left -= 1
+            dt = time.perf_counter() - t0
+        finally:
+            sel.close()
+        cpu1 = [cpu_seconds(pid) for pid in pids]
+        nbytes = CP8 * share
+        out: dict[str, Any] = {"gbps": nbytes / dt / 1e9, "bytes": nbytes}
+        if None not in cpu0 and None not in cpu1:  # this process is the receiver (the bench is idle meanwhile)
+            gb = nbytes / 1e9
+            d = [b - a for a, b in zip(cpu0, cpu1)]  # type: ignore[operator]
+            out["receiver_cpu_s_per_gb"] = d[0] / gb
+            out["sender_cpu_s_per_gb"] = sum(d[1:]) / gb  # the eight senders summed
+        return out
+
     def mooncake_tcp(self, key: str, notes: dict[str, str]) -> dict[str, Any]:
         assert self.mooncake is not None and self.pool is not None
         verify = key not in self.mooncake.verified
@@ -203,7 +284,15 @@ class Limits:
 
     # -- teardown ------------------------------------------------------------------------
     def stop_sender(self) -> None:
-        """Ask the raw sender to exit (the process group stops it otherwise)."""
+        """Ask the raw senders to exit (the process group stops them otherwise)."""
+        for s in self.x8_socks:  # the eight raw TCP senders: the closed connection ends them
+            s.close()
+        self.x8_socks = []
+        for p in self.x8:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass  # stopped with the daemons
         if self.ctrl is not None and self.raw is not None and self.raw.poll() is None:
             try:
                 self.ctrl.send(msgpack.packb(None), flags=zmq.NOBLOCK)
@@ -216,7 +305,7 @@ class Limits:
         for s in (self.pull, self.ctrl):
             if s is not None:
                 s.close(linger=0)
-        for t in (self.tcp, self.tcp_listen):
+        for t in (self.tcp, self.tcp_listen, self.x8_listen, *self.x8_socks):
             if t is not None:
                 t.close()
         if self.raw_ctx is not None:

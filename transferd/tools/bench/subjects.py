@@ -24,7 +24,20 @@ from ..progress import progress_bar
 from ..rooms import write_guard
 from .cluster import Cluster, Fleet
 from .peers import Limits
-from .plan import BULK_KEYS, BULK_LAYERS, DEDUP_CPS, SIZES, SMALL_CPS, Filler, Plan, cpu_seconds, schedule
+from .plan import (
+    BULK_KEYS,
+    BULK_LAYERS,
+    CP8,
+    CP8_ROOMS,
+    DEDUP_CPS,
+    SIZES,
+    SMALL_CPS,
+    Filler,
+    Plan,
+    cp8_pages_per_room,
+    cpu_seconds,
+    schedule,
+)
 from .sglang_room import SglangRoomBench
 from .sglang_room import available as sglang_available
 from .staging import StagingBench
@@ -55,6 +68,8 @@ class Bench:
         self.only: list[str] = []  # subject globs (--only); empty: all
         self.staging: StagingBench | None = None  # the SGLang backend's copies (needs torch)
         self.sgl: SglangRoomBench | None = None  # a room through the SGLang backend (needs SGLang)
+        self.cp8_src: list[list[np.ndarray]] = []  # CP8 bulk: [room][rank] the source pages a rank submits
+        self.cp8_checked = [0, 0]  # CP8 bulk: rooms verified byte for byte, bytes that differed
 
     def say(self, msg: str) -> None:
         if self.progress:
@@ -88,6 +103,9 @@ class Bench:
             fleet.group(c, f"z{c.name[4:]}", 1, stream=False)  # TCP through the ZeroMQ socket only
             if fleet.mooncake:
                 fleet.group(c, f"m{c.name[4:]}", 1, mooncake=True)  # read by the receiver's Mooncake TE
+        # the CP8 bulk block: one cp 8 group into the 1 MiB receiver, each rank's pool only as
+        # large as the pages it sends (its share of every room)
+        fleet.group(self.bulk["1MiB"], "c1mib", CP8, kv_pages=CP8_ROOMS * cp8_pages_per_room(p) // CP8)
         if sglang_available():  # a fourth group of the 1 MiB cluster: the rooms through the SGLang backend
             fleet.group(self.bulk["1MiB"], "g1mib", 1)
         else:
@@ -111,6 +129,7 @@ class Bench:
             for g in c.groups.values():
                 g.pools = [Pool.attach(g.cfg.sender_pool_name(r)) for r in range(g.cp)]
         self._prepare_bulk()
+        self._prepare_cp8()
         self._prepare_ds()
         if "g1mib" in self.bulk["1MiB"].groups:
             self.say("importing SGLang")
@@ -126,13 +145,38 @@ class Bench:
         p = self.plan
         rng = np.random.default_rng(11)
         for key, c in self.bulk.items():
-            for gi, g in enumerate(c.groups.values()):
+            for gi, g in enumerate(gg for gg in c.groups.values() if gg.cp == 1):
                 rows = g.pools[0].layout.kv_rows
                 for b in g.pools[0].layout.indices("kv"):
                     Filler(100 + b + 10 * len(key) + 1000 * gi).rows(g.pools[0].rows[b], range(rows))
                 g.src_pages = [rng.permutation(rows)]
             c.dst_perm = rng.permutation(c.layout.kv_rows)
             c.pages = p.bulk_room_bytes // (BULK_LAYERS * SIZES[key])
+
+    def _prepare_cp8(self) -> None:
+        """Every rank's pool holds its share of every CP8 room (distinct bytes per rank). A rank
+        reads only its own positions of the source pages it submits, but the list must cover
+        the room with distinct pages of its pool: the other positions name its pages of other
+        rooms (never read)."""
+        g = self.bulk["1MiB"].groups["c1mib"]
+        P = cp8_pages_per_room(self.plan)
+        q = P // CP8
+        rng = np.random.default_rng(17)
+        perms = []
+        for r, pool in enumerate(g.pools):
+            f = Filler(3000 + r)
+            for b in pool.layout.indices("kv"):
+                f.rows(pool.rows[b], range(pool.layout.kv_rows))
+            perms.append(rng.permutation(pool.layout.kv_rows))  # room j's own pages: [j*q, (j+1)*q)
+        g.src_pages = perms
+        self.cp8_src = []
+        for j in range(CP8_ROOMS):
+            srcs = []
+            for r, perm in enumerate(perms):
+                own = perm[j * q:(j + 1) * q]
+                rest = np.concatenate([perm[:j * q], perm[(j + 1) * q:]])[:P - q]
+                srcs.append(np.concatenate([rest[:r * q], own, rest[r * q:]]))
+            self.cp8_src.append(srcs)
 
     def _prepare_ds(self) -> None:
         assert self.ds is not None
@@ -203,6 +247,53 @@ class Bench:
             gb = nbytes / 1e9
             out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
             out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
+        return out
+
+    def bulk_cp8(self) -> dict[str, Any]:
+        """CP8 bulk over TCP: :data:`CP8_ROOMS` rooms of 1 MiB rows from the eight ranks of one
+        group (split "pages", each rank on its data stream) into one receiver, the bytes of one
+        cp 1 ``bulk/1MiB`` measurement; the receiver's CPU and the eight senders' summed."""
+        fleet, c = self.fleet, self.bulk["1MiB"]
+        assert c.dc is not None and c.rx is not None
+        g = c.groups["c1mib"]
+        P, R = cp8_pages_per_room(self.plan), CP8_ROOMS
+        rooms = []
+        for j in range(R):
+            room = fleet.room_id()
+            write_guard(g.pools[0], j, room)
+            rooms.append((room, c.dst_perm[j * P:(j + 1) * P]))
+        for r, pc in enumerate(g.pcs):  # one engine call per rank for all rooms
+            for st in pc.submit_many([dict(room=room, src_pages=self.cp8_src[j][r].tolist(), last=True, aux_slot=j)
+                                      for j, (room, _) in enumerate(rooms)]):
+                if isinstance(st, Exception):
+                    raise TransferdError(f"bench: cp8 submit refused: {st}")
+        fleet.poison(c, rooms[0][1], {}, 0)
+        stream0 = sum(int(pc.stats().get("stream_bytes", 0)) for pc in g.pcs)
+        pids = [c.rx.proc.pid] + [p.proc.pid for p in g.procs]
+        cpu0 = [cpu_seconds(pid) for pid in pids]
+        t0 = time.perf_counter()
+        for st in c.dc.expect_many([{"room": room, "group": g.name, "dst_pages": dst.tolist(), "aux_slot": j}
+                                    for j, (room, dst) in enumerate(rooms)]):
+            if isinstance(st, Exception):
+                raise TransferdError(f"bench: expect refused: {st}")
+        ok = fleet.wait_all(c, [(g.name, room) for room, _ in rooms])
+        dt = time.perf_counter() - t0
+        cpu1 = [cpu_seconds(pid) for pid in pids]
+        stream = sum(int(pc.stats().get("stream_bytes", 0)) for pc in g.pcs) - stream0
+        bad0 = fleet.mismatched
+        fleet.verify(c, g, rooms[0][1], self.cp8_src[0], {}, {}, 0, 0)
+        self.cp8_checked[0] += 1
+        self.cp8_checked[1] += fleet.mismatched - bad0
+        fleet.release(c, [(g.name, room) for room, _ in rooms])
+        nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
+        out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
+                               "stream_share": stream / nbytes, "bytes": nbytes}
+        if None not in cpu0 and None not in cpu1:
+            gb = nbytes / 1e9
+            d = [b - a for a, b in zip(cpu0, cpu1)]  # type: ignore[operator]
+            out["receiver_cpu_s_per_gb"] = d[0] / gb
+            out["sender_cpu_s_per_gb"] = sum(d[1:]) / gb  # the eight ranks summed
+            out["sender_cpu_s_per_gb_max_rank"] = max(d[1:]) / gb
         return out
 
     def _ds_state(self, slot: int) -> dict[str, Sequence[int]]:
@@ -331,6 +422,8 @@ class Bench:
             out.append((f"bulk/{key}", partial(self.bulk_room, key)))
             out.append((f"bulk_shm/{key}", partial(self.bulk_room, key, "shm")))
         out.append(("bulk_zmq/1MiB", partial(self.bulk_room, "1MiB", "zmq")))
+        out.append(("bulk_cp8/1MiB", self.bulk_cp8))  # the CP8 block: eight ranks beside eight raw connections
+        out.append(("raw_tcp_x8/1MiB", partial(lim.raw_tcp_x8, "1MiB")))
         for cp in DEDUP_CPS:
             out.append((f"dedup_on/{cp}", partial(self.dedup_on, cp)))
             if cp > 1:
