@@ -37,7 +37,7 @@ def run() -> tuple[dict[str, Any], str]:
     with subprocess.Popen([sys.executable, "-m", "transferd", "bench", "--quick", "--json", "-"], cwd=ROOT,
                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
         try:
-            stdout, stderr = p.communicate(timeout=280)
+            stdout, stderr = p.communicate(timeout=480)
         except subprocess.TimeoutExpired:
             p.kill()
             raise
@@ -48,7 +48,7 @@ def run() -> tuple[dict[str, Any], str]:
     return json.loads(stdout), stderr
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(500)]
 
 
 def test_every_measured_room_was_byte_exact(run: tuple[dict[str, Any], str]) -> None:
