@@ -55,7 +55,7 @@ def test_demo_is_byte_exact_with_exact_wire_accounting(tmp_path: Path, cp: int, 
     # ... and without it, every byte goes on the senders' data streams (TCP loopback, no CURVE)
     assert s["stream_bytes"] == (0 if same_host == "auto" else sum(s["wire_bytes"].values()))
     assert s["bytes_by_path"] == {"zmq": 0, "stream": s["stream_bytes"], "same_host": s["same_host_bytes"],
-                                  "mooncake": 0}
+                                  "mooncake": 0, "nixl": 0}
 
 
 @pytest.mark.parametrize("cp, split", [(4, "pages"), (2, "layers")])
@@ -70,7 +70,7 @@ def test_demo_over_mooncake_is_byte_exact_and_moves_every_byte_by_engine_reads(
     assert s["rooms_ok"] == 12 and s["rooms_failed"] == 0 and s["mismatched_bytes"] == 0 and s["stray_bytes"] == 0
     assert s["wire_bytes"] == s["expected_bytes"] == s["received_bytes"] and s["refused"] == {}
     moved = sum(s["wire_bytes"].values())
-    assert s["bytes_by_path"] == {"zmq": 0, "stream": 0, "same_host": 0, "mooncake": moved} and moved > 0
+    assert s["bytes_by_path"] == {"zmq": 0, "stream": 0, "same_host": 0, "mooncake": moved, "nixl": 0} and moved > 0
     # the replicated state went once: ranks 1..cp-1 skipped it (pages split)
     assert s["state_bytes_skipped"] == ((cp - 1) * s["expected_bytes"]["state"] if split == "pages" else 0)
 
