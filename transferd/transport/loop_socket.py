@@ -15,6 +15,17 @@ import zmq.asyncio
 
 log = logging.getLogger(__name__)
 
+# pyzmq's constants are enum members: ``events & zmq.POLLIN`` builds a new IntFlag (≈ 2 µs on
+# Python 3.11), ``zmq.SNDMORE | flags`` one too (≈ 1 µs), per message; the hot paths below use
+# plain ints (docs/PERFORMANCE.md, "Small rooms against d6fb2c2")
+_EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+
+
 def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
 
@@ -87,19 +98,19 @@ class LoopSocket:
         sock = self.sock
         n = 0
         while not self.closed:
-            events = cast(int, sock.getsockopt(zmq.EVENTS))
-            if events & zmq.POLLOUT and self._writers:
+            events = cast(int, sock.getsockopt(_EVENTS))
+            if events & _POLLOUT and self._writers:
                 writers, self._writers = self._writers, []
                 for w in writers:
                     if not w.done():
                         w.set_result(None)
-            if not events & zmq.POLLIN or self._paused is not None:
+            if not events & _POLLIN or self._paused is not None:
                 return
             if n >= self.budget:
                 self.kick()  # more to read: after the other callbacks of this iteration
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=self.copy)
+                frames = self._recv()
             except zmq.Again:
                 return
             n += 1
@@ -107,6 +118,23 @@ class LoopSocket:
                 self.on_message(frames)
             except Exception:  # the handler's bug must not stop the socket for every peer
                 log.exception("%s: error while handling a message", self.name)
+
+    def _recv(self) -> list[Any]:
+        """One whole message, as ``recv_multipart(NOBLOCK)`` gives it (a multipart message
+        arrives whole: only its first part can be missing), without pyzmq's option lookup per
+        part (a frame knows whether more follow)."""
+        sock = self.sock
+        if self.copy:
+            parts: list[Any] = [sock.recv(_NOBLOCK)]
+            while sock.getsockopt(_RCVMORE):
+                parts.append(sock.recv(_NOBLOCK))
+            return parts
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = sock.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        return frames
 
     def pause(self, seconds: float) -> None:
         """Read nothing for ``seconds`` (fault injection: a slow decode side)."""
@@ -120,8 +148,14 @@ class LoopSocket:
     def try_send(self, frames: list[Any], *, copy: bool = True) -> bool:
         """Send at once; False (nothing sent) when the high-water mark holds the message back.
         Other ZeroMQ errors (an unknown peer on a ROUTER) are raised."""
+        sock = self.sock
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            if all(type(f) is bytes for f in frames):  # control messages: nothing to check first
+                for f in frames[:-1]:
+                    sock.send(f, _SNDMORE_NOBLOCK, copy=copy)
+                sock.send(frames[-1], _NOBLOCK, copy=copy)
+            else:  # pyzmq checks every part is a buffer before it sends any
+                sock.send_multipart(frames, _NOBLOCK, copy=copy)
             return True
         except zmq.Again:
             return False

@@ -24,6 +24,8 @@ from ..errors import TransferdError
 log = logging.getLogger(__name__)
 
 ZMQ_MSG_T_BYTES = 64  # sizeof(zmq_msg_t) in libzmq 4.x
+_DONTWAIT = int(zmq.DONTWAIT)  # plain ints: an operation on pyzmq's enum members builds a new one
+_MORE_DONTWAIT = int(zmq.SNDMORE) | _DONTWAIT
 _lib: Any = None
 _tried = False
 
@@ -83,7 +85,7 @@ class PoolSender:
         """Send ``header`` then one frame per ``(address, nbytes)`` without waiting; False
         (nothing sent) when the high-water mark holds the message back."""
         try:
-            self.sock.send(header, zmq.SNDMORE | zmq.DONTWAIT)
+            self.sock.send(header, _MORE_DONTWAIT)
         except zmq.Again:
             return False
         lib, msg, last = self.lib, self.msg, len(parts) - 1
@@ -91,7 +93,7 @@ class PoolSender:
             lib.zmq_msg_init_data(msg, addr, nbytes, None, None)
             # later parts of a message whose first part was taken are never refused for the
             # high-water mark (libzmq counts whole messages)
-            if lib.zmq_msg_send(msg, self.handle, zmq.DONTWAIT | (zmq.SNDMORE if i < last else 0)) < 0:
+            if lib.zmq_msg_send(msg, self.handle, _MORE_DONTWAIT if i < last else _DONTWAIT) < 0:
                 err = lib.zmq_errno()
                 lib.zmq_msg_close(msg)
                 raise zmq.ZMQError(err)
