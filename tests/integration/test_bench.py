@@ -184,7 +184,8 @@ def test_mooncake_plane_beside_raw_mooncake_and_bytes_by_path(run: tuple[dict[st
     round; every byte of those rooms went by engine reads; bytes_by_path adds up to the run."""
     out, table = run
     bp = out["bytes_by_path"]
-    assert set(bp) == {"zmq", "stream", "same_host", "mooncake"} and all(v >= 0 for v in bp.values())
+    assert set(bp) == {"zmq", "stream", "same_host", "mooncake", "nixl"} and all(v >= 0 for v in bp.values())
+    assert bp["nixl"] == 0  # the bench has no NIXL column (yet)
     assert bp["stream"] > 0 and bp["same_host"] > 0 and bp["zmq"] > 0  # the tcp, shm and zmq columns
     mp = out["mooncake_plane"]
     if importlib.util.find_spec("mooncake") is None:
