@@ -512,6 +512,7 @@ def test_an_ended_room_keeps_its_status_and_token_not_its_page_lists() -> None:
     core.send_finished(room)
     assert room.dst is None and room.plan is None and room.assign is not None
     assert room.assign.dst_pages == () and room.assign.state == {} and room.tok == 31
+    assert len(room.chunks) == 0 and room.chunks.maxlen == 0  # the shared empty queue, not a deque of its own
     core.take()
     core.received(0, assign(8, tok=31, n=64), 2.0)  # a repeated assignment of a room that is over
     assert core.take() == []
