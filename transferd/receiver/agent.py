@@ -92,6 +92,7 @@ class Receiver(AgentBase):
         self.reader: Reader | None = None  # Mooncake TE or NIXL reads (receiver.data_plane = "mooncake"/"nixl")
         self.streams_of: dict[int, tuple[Peer, StreamReader]] = {}  # id(peer) -> its open data stream
         self._trimmed = 0.0  # when the freed heap was last given back (idle ticks only)
+        self.heap_trims = 0
         self._rx_mark: dict[int, tuple[int, float]] = {}  # id(stream reader) -> (bytes read, when last seen)
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}  # room token -> engines waiting for its end
         self.metrics_bind = self.rcfg.metrics_bind
@@ -396,6 +397,7 @@ class Receiver(AgentBase):
             if now - self._trimmed >= TRIM_IDLE_EVERY_S and not self.core.rooms:
                 self._trimmed = now  # idle: the freed heap goes back (bursts of garbage connections)
                 trim_freed_heap()
+                self.heap_trims += 1
 
     def _watch_streams(self, now: float) -> None:
         """Bytes arriving on a peer's data stream are progress of its connection, even inside
@@ -500,7 +502,7 @@ class Receiver(AgentBase):
         out.update(role="receiver", name=self.rcfg.name, pid=os.getpid(), incarnation=self.incarnation,
                    data_endpoint=self.data_endpoint, engine_endpoint=self.engine_endpoint,
                    metrics_port=self.metrics.port, uptime_s=round(time.time() - self.t_start, 3),
-                   draining=self.draining)
+                   draining=self.draining, heap_trims=self.heap_trims)
         return out
 
     def status(self) -> dict[str, Any]:
