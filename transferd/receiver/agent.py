@@ -93,7 +93,6 @@ class Receiver(AgentBase):
         self.streams_of: dict[int, tuple[Peer, StreamReader]] = {}  # id(peer) -> its open data stream
         self._trimmed = 0.0  # when the freed heap was last given back (idle ticks only)
         self.heap_trims = 0
-        self._rx_mark: dict[int, tuple[int, float]] = {}  # id(stream reader) -> (bytes read, when last seen)
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}  # room token -> engines waiting for its end
         self.metrics_bind = self.rcfg.metrics_bind
         self.drain_timeout_s = self.rcfg.drain_timeout_s
@@ -404,16 +403,12 @@ class Receiver(AgentBase):
         a record (the core's stall clock counts them); a stream stopped inside a record for
         ``stall_timeout_s`` is closed once the core failed the rooms it held up."""
         for peer, reader in list(self.streams_of.values()):
-            if reader.rx_bytes != self._rx_mark.get(id(reader), (-1, 0.0))[0]:
-                self._rx_mark[id(reader)] = (reader.rx_bytes, now)
+            if reader.rx_bytes != reader.rx_seen:
+                reader.rx_seen = reader.rx_bytes
                 peer.last_data = max(peer.last_data, now)
-            elif self.core.stream_idle(peer, now - max(self._rx_mark[id(reader)][1], peer.last_data),
-                                       reader.in_record(), now):
+            elif self.core.stream_idle(peer, now - peer.last_data, reader.in_record(), now):
                 self.act()
                 reader.close(f"data stream from {reader.addr} stalled inside a record")
-        if len(self._rx_mark) > 2 * len(self.streams_of) + 16:
-            live = {id(r) for _, r in self.streams_of.values()}
-            self._rx_mark = {k: v for k, v in self._rx_mark.items() if k in live}
 
     # -- engine API (runs on the loop) ---------------------------------------------------
     def expect(self, req: RoomRequest) -> RoomStatus:

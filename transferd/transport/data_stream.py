@@ -241,6 +241,7 @@ class StreamReader:
         self._target: Target | None = None
         self._paused: asyncio.TimerHandle | None = None
         self.rx_bytes = 0  # bytes read so far (the receiver's tick tells a stalled stream by it)
+        self.rx_seen = 0  # rx_bytes at the receiver's last tick
         self._hello_timer: asyncio.TimerHandle | None = self.loop.call_later(HELLO_TIMEOUT_S, self._hello_late)
         self.loop.add_reader(sock.fileno(), self._on_readable)
 
