@@ -135,6 +135,8 @@ class SenderConfig:
     state_slots: int = 64
     aux_slots: int = 256
     max_message_bytes: int = 1 << 20
+    # rows per record on the data stream (several messages' worth: its cost is per record, not per byte)
+    stream_record_bytes: int = 8 << 20
     send_hwm: int = 32
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 5
@@ -255,8 +257,9 @@ class Config:
             raise ConfigError(f"sender.cp_size must be >= 1, not {s.cp_size}")
         if not 0 <= s.cp_rank < s.cp_size:
             raise ConfigError(f"sender.cp_rank {s.cp_rank} is outside cp_size {s.cp_size}")
-        if s.max_message_bytes < 4096:
-            raise ConfigError(f"sender.max_message_bytes must be >= 4096, not {s.max_message_bytes}")
+        for key in ("max_message_bytes", "stream_record_bytes"):
+            if getattr(s, key) < 4096:
+                raise ConfigError(f"sender.{key} must be >= 4096, not {getattr(s, key)}")
         if not s.receivers:
             raise ConfigError("sender.receivers is empty: name at least one receiver endpoint")
         for what, name in (("sender.group", s.group), ("receiver.name", self.receiver.name)):
@@ -288,9 +291,10 @@ class Config:
         if not (0 <= f.drop_frames <= 1 and 0 <= f.corrupt_frames <= 1):
             raise ConfigError(f"faults: drop_frames and corrupt_frames must lie in [0, 1] "
                               f"(got {f.drop_frames}, {f.corrupt_frames})")
-        if r.max_frame_bytes < s.max_message_bytes:
-            raise ConfigError(f"receiver.max_frame_bytes ({r.max_frame_bytes}) is below "
-                              f"sender.max_message_bytes ({s.max_message_bytes})")
+        for key in ("max_message_bytes", "stream_record_bytes"):
+            if r.max_frame_bytes < getattr(s, key):
+                raise ConfigError(f"receiver.max_frame_bytes ({r.max_frame_bytes}) is below "
+                                  f"sender.{key} ({getattr(s, key)})")
         _check_mooncake(self)
         _check_nixl(self)
         if self.log_format not in ("text", "json"):
@@ -418,7 +422,7 @@ def parse_hostport(value: str, what: str) -> tuple[str, int]:
 _ENUMS: dict[str, type[Enum]] = {"SplitMode": SplitMode, "AutoOff": AutoOff, "ZeroCopy": ZeroCopy,
                                   "DataPlane": DataPlane}
 """Settings whose values are one of an enum's (checked where the file is read)."""
-_SIZE_KEYS = {"max_message_bytes", "aux_row_bytes", "max_frame_bytes", "shm_message_bytes"}
+_SIZE_KEYS = {"max_message_bytes", "stream_record_bytes", "aux_row_bytes", "max_frame_bytes", "shm_message_bytes"}
 
 
 def _coerce(cls: type, name: str, value: Any, where: str) -> Any:

@@ -111,7 +111,10 @@ class Cluster:
         return proc
 
     def receiver(self, name: str = "decode0", *, kv_pages: int = 256, model: dict[str, Any] | None = None,
-                 faults: dict[str, Any] | None = None, **extra: Any) -> tuple[str, DecodeClient, Pool]:
+                 faults: dict[str, Any] | None = None, sender: dict[str, Any] | None = None,
+                 **extra: Any) -> tuple[str, DecodeClient, Pool]:
+        """A receiver; ``extra`` goes into its [receiver] section, ``sender`` is a [sender]
+        section for its file (which `config check` validates against the receiver's)."""
         data: dict[str, Any] = {"receiver": {"name": name, "bind": "tcp://127.0.0.1:*", "pool": f"{self.tag}-{name}",
                                              "kv_pages": kv_pages, "state_slots": 32, "aux_slots": 32,
                                              "metrics_bind": "127.0.0.1:0", **self._plane(), **extra}}
@@ -119,6 +122,8 @@ class Cluster:
             data["model"] = model
         if faults:
             data["faults"] = faults
+        if sender:
+            data["sender"] = sender
         path = self.write_config(f"receiver-{name}", data)
         proc = self._spawn(f"receiver-{name}", ["receiver"], path)
         dc = DecodeClient(proc.cfg.receiver_engine_socket(), timeout_s=20)

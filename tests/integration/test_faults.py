@@ -131,7 +131,8 @@ def _registered(dc) -> int:
 
 def test_stall_clock_fails_a_stuck_transfer_but_not_a_slow_one(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(kv_pages=512, stall_timeout_s=1.0, faults={"slow_receiver_ms": 25})
-    pcs, spools = cluster.group("prefill0", 1, [ep], max_message_bytes=4096)  # 8 rows a frame: 90 frames
+    pcs, spools = cluster.group("prefill0", 1, [ep], max_message_bytes=4096,
+                                stream_record_bytes=4096)  # 8 rows a frame: 90 frames
     fill_random(spools[0], 1)
     before = [rows.copy() for rows in dpool.rows]
     # slow but progressing: ~3 s of frames 25 ms apart, each resetting the 1 s stall clock

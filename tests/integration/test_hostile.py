@@ -904,8 +904,9 @@ def test_huge_registers_from_strangers_are_refused_on_their_size_and_real_rooms_
 
 
 def test_a_frame_over_max_frame_bytes_drops_the_connection_not_the_receiver(cluster: Cluster) -> None:
-    ep, dc, dpool = cluster.receiver(max_frame_bytes="1MiB", kv_pages=256, state_slots=64, aux_slots=64)
-    pcs, spools = cluster.group(REAL_GROUP, 2, [ep], state_slots=64, aux_slots=64)
+    ep, dc, dpool = cluster.receiver(max_frame_bytes="1MiB", kv_pages=256, state_slots=64, aux_slots=64,
+                                     sender={"stream_record_bytes": "1MiB"})
+    pcs, spools = cluster.group(REAL_GROUP, 2, [ep], state_slots=64, aux_slots=64, stream_record_bytes="1MiB")
     for i, p in enumerate(spools):
         fill_random(p, 30 + i)
     fill_random(dpool, 31)
@@ -1462,6 +1463,40 @@ def test_a_large_stream_batch_is_read_straight_into_every_entrys_rows(guard: Env
     assert r.wait().state is RoomState.SUCCESS
     r.check_pool()
     assert env.dc.stats()["stream_bytes"] - before == sum(a.nbytes for a in r.src.values())
+    env.dc.release(r.room, group)
+
+
+@pytest.mark.parametrize("guard_ok", [True, False], ids=["guard-ok", "guard-wrong"])
+def test_an_aux_row_in_a_large_stream_batch_is_checked_before_it_is_written(guard: Env, guard_ok: bool) -> None:
+    """A room's last batch often carries its aux row beside KV rows: the KV entries are read
+    straight into their rows, the aux row into the stream's buffer; its guard is checked before
+    it is written. A wrong room id fails the room ``aux_guard`` with the aux row unwritten (the
+    KV rows before it landed, as from the ZeroMQ socket)."""
+    env = guard
+    fake, group, r = fake_room(env, channel="stream", n=128)
+    L = r.layout
+    a = L.aux_index
+    if not guard_ok:
+        r.src[a][0, :8] = np.frombuffer(np.uint64(r.room + 1).astype("<u8").tobytes(), np.uint8)
+    before, logs = env.refused(), env.log_lines("aux_guard")
+    kv = [(KV, b, 0, r.n) for b in L.indices("kv")]
+    assert sum(c * L.buffers[b].row_bytes for _, b, _, c in kv) >= 64 << 10  # the direct path's minimum
+    _batch(r, [*kv, (AUX, a, 0, 1)])
+    for _, b, _, _ in kv:
+        r.want[b][r.dst] = r.src[b]
+    if guard_ok:
+        r.want[a][r.aux] = r.src[a][0]
+        _batch(r, [(STATE, b, 0, 1) for b in L.indices("state")])
+        for b in L.indices("state"):
+            r.want[b][r.slots[L.buffers[b].component][0]] = r.src[b][0]
+        r.done()
+        assert r.wait().state is RoomState.SUCCESS
+        assert delta(env.refused(), before) == {}
+    else:
+        st = r.wait()
+        assert st.state is RoomState.FAILED and st.code == "aux_guard", st
+        assert_refused_once(env, before, logs, "aux_guard")
+    r.check_pool()
     env.dc.release(r.room, group)
 
 

@@ -262,7 +262,8 @@ def test_a_sender_stopped_with_rows_in_flight_exits_cleanly(cluster: Cluster) ->
 
     ep, dc, dpool = cluster.receiver(kv_pages=512, faults={"slow_receiver_ms": 20}, recv_hwm=4)
     pcs, spools = cluster.group("prefill0", 1, [ep], kv_pages=512, send_hwm=64, drain_timeout_s=0.3,
-                                zero_copy="direct", max_message_bytes=4096)  # hundreds of messages, 20 ms each
+                                zero_copy="direct", max_message_bytes=4096,
+                                stream_record_bytes=4096)  # hundreds of messages, 20 ms each
     fill_random(spools[0], 5)
     r = make_room(500, "prefill0", 400, 1, spools=spools)
     expect(dc, r)

@@ -174,6 +174,8 @@ def test_coercions() -> None:
         ({"sender": {"assign_timeout_s": 0}}, "sender.assign_timeout_s"),
         ({"receiver": {"max_frame_bytes": "64KiB"}, "sender": {"max_message_bytes": "1MiB"}},
          "receiver.max_frame_bytes"),
+        ({"sender": {"stream_record_bytes": 100}}, "sender.stream_record_bytes must be >= 4096"),
+        ({"receiver": {"max_frame_bytes": "4MiB"}}, r"below sender.stream_record_bytes \(8388608\)"),
         ({"receiver": {"data_plane": "ucx"}}, "'ucx'"),
         ({"sender": {"nixl_ucx_devices": "mlx5_0:1;reboot"}}, "sender.nixl_ucx_devices"),
         ({"receiver": {"nixl_ucx_modules": "^efa rm"}}, "receiver.nixl_ucx_modules"),

@@ -290,7 +290,8 @@ class ReceiverCore:
         biggest = max(msg.max_message_bytes, self._max_row_bytes)  # equal fingerprints: equal row sizes
         if biggest > self.s.max_frame_bytes:
             refuse(f"messages of up to {biggest} bytes exceed this receiver's max_frame_bytes "
-                   f"{self.s.max_frame_bytes}", "frame_limit")
+                   f"{self.s.max_frame_bytes} (the sender's largest of max_message_bytes, stream_record_bytes "
+                   f"and a row)", "frame_limit")
             return None
         group = self.groups.get(msg.group)
         if group is not None and (group.cp_size != msg.cp_size or group.split is not split

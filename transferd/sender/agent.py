@@ -82,12 +82,17 @@ class SenderAgent(AgentBase):
         self.conns: Connections | None = None
         self.sender: RoomSender | None = None
 
+    def _biggest_message(self) -> int:
+        """``register.max_msg``: the largest data message, or data-stream record, this sender sends."""
+        s = self.scfg
+        return max(s.max_message_bytes, s.stream_record_bytes if s.data_stream == AutoOff.AUTO else 0)
+
     def _new_core(self) -> SenderCore:
         s, pool = self.scfg, self.pool
         register = Register(self.group, self.rank, self.cp_size, self.split.value, self.layout.fingerprint(),
                             self.layout.to_wire(), self.incarnation, os.getpid(), socket.gethostname(), 0, s.checksum,
                             host_boot_id(), pool.name if s.same_host == AutoOff.AUTO and pool else "",
-                            pool.pool_id if pool else 0, s.max_message_bytes, s.dedup, False,
+                            pool.pool_id if pool else 0, self._biggest_message(), s.dedup, False,
                             self.engine.session if self.engine else "", self.te_addrs,
                             self.engine.metadata() if isinstance(self.engine, NixlEngine) else b"")
         return SenderCore(self.layout, group=self.group, rank=self.rank, cp_size=self.cp_size, split=self.split,
@@ -118,7 +123,8 @@ class SenderAgent(AgentBase):
         self.core = self._new_core()  # now with the pool's name, id and layout (and engine)
         s, faults = self.scfg, self.cfg.faults
         env = SendEnv(self.layout, self.pool.rows, self.acct, s.max_message_bytes, s.shm_message_bytes,
-                      checksum_function(s.checksum), faults, random.Random(faults.seed * 1000 + s.cp_rank))
+                      s.stream_record_bytes, checksum_function(s.checksum), faults,
+                      random.Random(faults.seed * 1000 + s.cp_rank))
         self.conns = Connections(self.name, s, self.core, self.acct, env, self.spawn, self._act)
         self.sender = RoomSender(self.name, self.rank, self.layout, self.core, self.conns, self.acct, self.spawn,
                                  self._act)

@@ -201,8 +201,9 @@ class StreamWriter:
 @dataclass(slots=True)
 class Target:
     """Where a record's payload goes: ``views`` filled in order (together exactly the payload's
-    length); ``alive`` is asked before each read into them (False: the rest is read and
-    dropped); ``done`` runs once they are full (not when dropped)."""
+    length); ``alive`` is asked before the reads of each readable callback (False: the rest is
+    read and dropped; nothing else runs on the loop between the reads of one callback);
+    ``done`` runs once they are full (not when dropped)."""
 
     views: list[memoryview]
     done: Callable[[], None] | None = None
@@ -270,12 +271,14 @@ class StreamReader:
 
     def _on_readable(self) -> None:
         recv_into, recvmsg_into = self.sock.recv_into, self.sock.recvmsg_into
+        # the payload's owner is asked once a call: nothing else runs on the loop until this
+        # returns, and a new target comes from a handler that has just checked its room
+        t = self._target
+        if t is not None and t.alive is not None and not t.alive():
+            self._drop_rest()
         for _ in range(self.budget):
             if self.closed or self._paused is not None:
                 return
-            t = self._target
-            if t is not None and t.alive is not None and not t.alive():
-                self._drop_rest()
             views, vi, got = self._views, self._vi, self._got
             view = views[vi]
             left = len(view) - got

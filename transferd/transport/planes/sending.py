@@ -80,6 +80,7 @@ class SendEnv:
     counters: SendCounters
     max_message_bytes: int
     shm_message_bytes: int
+    stream_record_bytes: int = 0  # the data stream's cap per record (0: max_message_bytes)
     checksum: Callable[[Any], int] | None = None
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     fault_rng: random.Random = field(default_factory=random.Random)

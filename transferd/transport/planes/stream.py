@@ -30,12 +30,22 @@ from ...protocol.stream import prefix
 from ...types import Kind, PlaneName
 from ..data_stream import StreamReader, Target
 from .receiving import PayloadReceiver
-from .sending import SENT_STREAM, RoomTx
+from .sending import SENT_STREAM, ConnPipes, RoomTx, SendEnv
 from .zmq import ZmqSender
 
 
 class StreamSender(ZmqSender):
+    """The ZeroMQ plane's batching with a larger cap, ``sender.stream_record_bytes``: a
+    record's cost is per record (the receiver's Python for its header, checks and claims; the
+    sender's for building it), not per byte, so several messages' worth of rows go in one. If
+    the stream is lost, those messages take the ZeroMQ socket as they are (the registration's
+    ``max_msg`` announced the larger cap)."""
+
     name = PlaneName.STREAM
+
+    def __init__(self, env: SendEnv, pipes: ConnPipes) -> None:
+        super().__init__(env, pipes)
+        self.cap = env.stream_record_bytes or env.max_message_bytes
 
     async def _emit(self, tx: RoomTx, header: bytes, payload: Sequence[Any] = (), nbytes: int = 0, *,
                     rows: bool = False) -> int:
@@ -119,7 +129,7 @@ class StreamReceiver(PayloadReceiver):
                 core.reject(room, peer, FailureCode.LENGTH_MISMATCH, f"data stream record of {payload_len} payload "
                                                                      f"bytes for rows of {sum(sizes)} bytes", now)
             return drop
-        if peer.checksum is None and payload_len >= DIRECT_MIN_BYTES and all(e.kind != Kind.AUX for e in entries):
+        if peer.checksum is None and payload_len >= DIRECT_MIN_BYTES:
             return self._direct(sink, reader, peer, entries, sizes, now)
         buf = reader.buffer(payload_len)  # this stream's own: records of several streams interleave
 
@@ -136,14 +146,25 @@ class StreamReceiver(PayloadReceiver):
                 now: float) -> Target:
         """A large payload (one data entry, or a batch of them) is read straight into its
         destination rows: every check first, the rows of every entry claimed, then the bytes; if
-        the room ends while they arrive, the rest is dropped (the reader asks before each read).
+        the room ends while they arrive, the rest is dropped (the reader asks at every wake-up).
         An entry refused (the room failed, or the entry dropped) drops the whole payload; the
-        entries after it are counted as the ZeroMQ path counts them."""
+        entries after it are counted as the ZeroMQ path counts them. An aux row (its guard is
+        checked before it is written) is read into the stream's buffer beside them and then
+        written as from the ZeroMQ socket, after the rows before it have landed."""
         core = sink.core
         views: list[memoryview] = []
         room: DecodeRoom | None = None
+        aux: list[tuple[Data, memoryview]] = []
+        aux_bytes = sum(size for e, size in zip(entries, sizes) if e.kind == Kind.AUX)
+        staging = reader.buffer(aux_bytes) if aux_bytes else None
         for i, msg in enumerate(entries):
             room = core.data_room(peer, msg, now)
+            if room is not None and msg.kind == Kind.AUX:
+                assert staging is not None
+                view, staging = staging[:sizes[i]], staging[sizes[i]:]
+                aux.append((msg, view))
+                views.append(view)
+                continue
             claimed = core.claim(room, peer, msg, now) if room is not None else None
             if claimed is None:
                 for rest in entries[i + 1:]:
@@ -163,7 +184,10 @@ class StreamReceiver(PayloadReceiver):
             core.stream_read(live, rank, -1)
             at = time.monotonic()
             for msg, nbytes in zip(entries, sizes):  # no room completes before its rank's done
-                sink.landed(live, PlaneName.STREAM, msg.buffer, nbytes, at)
+                if msg.kind != Kind.AUX:
+                    sink.landed(live, PlaneName.STREAM, msg.buffer, nbytes, at)
+            for msg, view in aux:
+                sink.data(peer, self, msg, view, at)
             sink.flush()
             sink.after_data(reader)
 
