@@ -148,6 +148,29 @@ class Limits:
         dt = time.perf_counter() - t0
         return {"gbps": n * size / dt / 1e9}
 
+    def pread(self, key: str) -> dict[str, Any]:
+        """The same-host path's own ceiling: the same pieces as :meth:`memcpy`, read with
+        ``preadv`` out of the pool's file (the kernel's copy out of the tmpfs page cache, page by
+        page) into the mapped destination, as the receiver reads a same-host sender's rows
+        without mapping them (FAULTS.md §8)."""
+        assert self.pool is not None
+        size = SIZES[key]
+        dst = self.pool.rows[1].reshape(-1)
+        mem, base = memoryview(dst), self.pool.offsets[0]  # the source: buffer 0 in the pool's file
+        ring = dst.size // size
+        n = self.total // size
+        fd = os.open(pool_path(self.pool.name), os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            for i in range(n):
+                o = (i % ring) * size
+                if os.preadv(fd, [mem[o:o + size]], base + o) != size:
+                    raise TransferdError("bench: a short read from the limits pool's file")
+            dt = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        return {"gbps": n * size / dt / 1e9}
+
     def _raw(self, key: str, how: str, receive: Callable[[np.ndarray, int, int], None]) -> dict[str, Any]:
         """One baseline measurement: the sender subprocess sends the bulk bytes in messages of
         ``key``'s size over ``how`` ("zmq" or "tcp"); ``receive(dst, size, n)`` takes them into

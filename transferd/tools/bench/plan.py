@@ -141,7 +141,21 @@ def schedule(names: Sequence[str], repeats: int, target_repeats: int, seed: int 
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process (Linux); None elsewhere."""
+    """CPU seconds of a process (Linux; None elsewhere): its threads' time on a CPU from
+    ``/proc/PID/task/*/schedstat`` (nanoseconds; a measurement of 256 MiB is ~0.1 s of CPU,
+    and the 10 ms clock ticks of utime + stime made its s/GB move in steps of 0.037), else
+    utime + stime."""
+    try:
+        tasks, total = os.listdir(f"/proc/{pid}/task"), 0
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except FileNotFoundError:
+                continue  # the thread ended meanwhile
+        return total / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
