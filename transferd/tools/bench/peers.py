@@ -156,7 +156,7 @@ class Limits:
         assert self.pool is not None
         size = SIZES[key]
         dst = self.pool.rows[1].reshape(-1)
-        mem, base = memoryview(dst), self.pool.offsets[0]  # the source: buffer 0 in the pool's file
+        mem, base = dst.data, self.pool.offsets[0]  # the source: buffer 0 in the pool's file
         ring = dst.size // size
         n = self.total // size
         fd = os.open(pool_path(self.pool.name), os.O_RDONLY)
