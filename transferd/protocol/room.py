@@ -147,6 +147,7 @@ class CoverageTracker:
         n = len(req.dst_pages)
         self.plans: list[RankPlan] = plans if plans is not None else group_plans(layout, cp_size, split, n, req.prefix)
         self.dst = np.asarray(req.dst_pages, dtype=np.int64)
+        self.dst_list = [int(p) for p in req.dst_pages]
         self.dst_run_end = run_ends(req.dst_pages)
         self.state_dst = {c: np.asarray(req.state.get(c, ()), dtype=np.int64) for c in layout.state_components}
         self.state_run_end = {c: run_ends(tuple(v.tolist())) for c, v in self.state_dst.items()}
@@ -188,6 +189,13 @@ class CoverageTracker:
             if pos < lo or pos + count > hi:
                 raise Refused("unexpected", f"rank {rank} sent KV positions [{pos}, {pos + count}) "
                                             f"outside its plan [{lo}, {hi})")
+            if count == 1:  # scattered pages: one row a frame or batch entry, no slices
+                seen = self.kv_got[self._kv_local[buffer]]
+                if seen[pos]:
+                    raise Refused("duplicate", f"KV buffer {buffer} position {pos} arrived twice")
+                seen[pos] = True
+                self.remaining[rank] -= 1
+                return self.dst_list[pos], None
             got = self.kv_got[self._kv_local[buffer], pos:pos + count]
             if got.any():
                 raise Refused("duplicate", f"KV buffer {buffer} position {pos + int(got.argmax())} arrived twice")

@@ -155,6 +155,8 @@ class StreamReceiver(PayloadReceiver):
         views: list[memoryview] = []
         room: DecodeRoom | None = None
         aux: list[tuple[Data, memoryview]] = []
+        flat: dict[int, tuple[memoryview, int]] = {}  # buffer -> its bytes, row size (a batch has up to 1024 entries)
+        nbytes: dict[int, int] = {}  # buffer -> bytes of the record's entries: counted per buffer when they land
         aux_bytes = sum(size for e, size in zip(entries, sizes) if e.kind == Kind.AUX)
         staging = reader.buffer(aux_bytes) if aux_bytes else None
         for i, msg in enumerate(entries):
@@ -171,11 +173,16 @@ class StreamReceiver(PayloadReceiver):
                     core.data_room(peer, rest, now)
                 return Target([])
             first, rows = claimed
-            dst = sink.rows(msg.buffer)
+            b = msg.buffer
+            if b not in flat:
+                dst = sink.rows(b)
+                flat[b] = (dst.reshape(-1).data, dst.shape[1])
+            mem, rb = flat[b]
             if rows is None:
-                views.append(dst[first:first + msg.count].reshape(-1).data)
+                views.append(mem[first * rb:(first + msg.count) * rb])
             else:
-                views += [dst[int(rows[a]):int(rows[a]) + b - a].reshape(-1).data for a, b in runs(rows, rows)]
+                views += [mem[int(rows[a]) * rb:(int(rows[a]) + e - a) * rb] for a, e in runs(rows, rows)]
+            nbytes[b] = nbytes.get(b, 0) + sizes[i]
         assert room is not None
         live, rank = room, peer.rank
         core.stream_read(live, rank, +1, now)
@@ -183,9 +190,8 @@ class StreamReceiver(PayloadReceiver):
         def landed() -> None:
             core.stream_read(live, rank, -1)
             at = time.monotonic()
-            for msg, nbytes in zip(entries, sizes):  # no room completes before its rank's done
-                if msg.kind != Kind.AUX:
-                    sink.landed(live, PlaneName.STREAM, msg.buffer, nbytes, at)
+            for b, n in nbytes.items():  # no room completes before its rank's done
+                sink.landed(live, PlaneName.STREAM, b, n, at)
             for msg, view in aux:
                 sink.data(peer, self, msg, view, at)
             sink.flush()
