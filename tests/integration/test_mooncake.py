@@ -19,7 +19,8 @@ ROWS = 4096
 
 
 class CountingEngine(MooncakeEngine):
-    """A real engine that also records the batches it was given (entries, and how many ran at once)."""
+    """A real engine that also records the batches it was given (entries, and how many ran at once:
+    from ``start`` until its ``wait`` returned, as the reader drives it, or through ``read``)."""
 
     def __init__(self) -> None:
         super().__init__("127.0.0.1", "tcp", "")
@@ -35,6 +36,20 @@ class CountingEngine(MooncakeEngine):
             self.batches.append(len(lens))
         try:
             return super().read(session, local, remote, lens)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def start(self, session: str, local: list[int], remote: list[int], lens: list[int]) -> int:
+        with self.lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            self.batches.append(len(lens))
+        return super().start(session, local, remote, lens)
+
+    def wait(self, bid: int) -> int:
+        try:
+            return super().wait(bid)
         finally:
             with self.lock:
                 self.running -= 1
@@ -72,6 +87,8 @@ def test_4096_reads_of_16_kib_rejected_raw_go_through_the_reader_in_bounded_batc
 
     asyncio.run(run())
     reader.executor.shutdown(wait=True)
+    assert reader.pipelined and reader.waiter is not None  # Mooncake: one thread starts, one waits
+    reader.waiter.shutdown(wait=True)
     assert outcomes == [0] * 16
     assert np.array_equal(dst, src)  # byte-exact
     assert max(dst_engine.batches) <= 512 and sum(dst_engine.batches) == ROWS  # jobs shared batches, bounded

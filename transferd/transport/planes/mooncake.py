@@ -101,6 +101,18 @@ class MooncakeEngine:
         negative return code."""
         return int(self.te.batch_transfer_sync_read(session, local, remote, lens))
 
+    def start(self, session: str, local: list[int], remote: list[int], lens: list[int]) -> int:
+        """Submit one batch of reads (the GIL released, returns once queued): its batch id, or
+        0 when the engine refused it (it answers -1 as an unsigned id when it cannot open the
+        peer's segment)."""
+        bid = int(self.te.batch_transfer_async_read(session, local, remote, lens))
+        return 0 if bid in (-1, (1 << 64) - 1) else bid
+
+    def wait(self, bid: int) -> int:
+        """Until a started batch has completed (the engine polls its status, the GIL released):
+        0, or -1 when it failed, timed out or never started."""
+        return int(self.te.get_batch_transfer_status([bid])) if bid else -1
+
     def close(self) -> None:
         """Unregister the buffers (a peer's read of them fails from now on)."""
         for addr in self._registered:
@@ -180,11 +192,18 @@ class Reader:
     staging: np.ndarray = field(init=False)
     free_rows: list[int] = field(init=False)
     executor: ThreadPoolExecutor = field(init=False)
+    pipelined: bool = field(init=False)
+    waiter: ThreadPoolExecutor | None = field(init=False)
     reads: int = 0  # batches the engine ran
     failed: int = 0  # of those, the ones it failed
 
     def __post_init__(self) -> None:
-        self.executor = ThreadPoolExecutor(self.in_flight, thread_name_prefix="mooncake-read")
+        # an engine that can start a batch and wait for it apart (Mooncake TE) gets one thread
+        # that starts batches and one that waits for the oldest: the engine's wait polls without
+        # sleeping, so one waiting thread, not one per batch in flight, spins on the two cores
+        self.pipelined = callable(getattr(self.engine, "start", None)) and callable(getattr(self.engine, "wait", None))
+        self.executor = ThreadPoolExecutor(1 if self.pipelined else self.in_flight, thread_name_prefix="mooncake-read")
+        self.waiter = ThreadPoolExecutor(1, thread_name_prefix="mooncake-wait") if self.pipelined else None
         self.staging = np.zeros((STAGING_ROWS, max(self.staging_row_bytes, 8)), np.uint8)
         self.engine.register([self.staging])
         self.free_rows = list(range(STAGING_ROWS))
@@ -225,8 +244,25 @@ class Reader:
                 remote += job.remote
                 lens += job.lens
             self.running += 1
+            if self.pipelined:
+                self.executor.submit(self._start, loop, batch, local, remote, lens)
+                continue
             fut = self.executor.submit(self.engine.read, batch[0][0].session, local, remote, lens)
             fut.add_done_callback(partial(_back_on_loop, loop, self._finished, batch))
+
+    def _start(self, loop: asyncio.AbstractEventLoop, batch: list[tuple[_Job, int]], local: list[int],
+               remote: list[int], lens: list[int]) -> None:
+        """(The starting thread.) Submit the batch, then queue the wait for it behind the waits
+        for the batches started before it."""
+        assert self.waiter is not None
+        engine: Any = self.engine
+        try:
+            bid = int(engine.start(batch[0][0].session, local, remote, lens))
+        except Exception as exc:  # the binding raised: the wait reports it as the engine's failure
+            log.error("engine read from %s could not start: %r", batch[0][0].session, exc)
+            bid = 0
+        fut = self.waiter.submit(engine.wait, bid)
+        fut.add_done_callback(partial(_back_on_loop, loop, self._finished, batch))
 
     def _take(self) -> list[tuple[_Job, int]]:
         """The next engine batch: queued jobs of one session, in order, as many as fit in
@@ -294,7 +330,9 @@ class Reader:
     def close(self) -> None:
         """Wait for the reads in flight (they write into the pool), then release the engine's
         memory (blocking: in a worker thread, after :meth:`drop_queued`)."""
-        self.executor.shutdown(wait=True)
+        self.executor.shutdown(wait=True)  # every batch started has queued its wait by then
+        if self.waiter is not None:
+            self.waiter.shutdown(wait=True)
         self.engine.close()
 
 
