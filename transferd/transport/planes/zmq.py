@@ -48,14 +48,27 @@ class ZmqSender:
     async def send_rows(self, tx: RoomTx, kind: Kind, buffers: tuple[int, ...], src: np.ndarray,
                         dst: np.ndarray, base: int) -> None:
         pieces = runs(src, dst)
-        cap, room = self.cap, tx.room
+        cap, room, batch = self.cap, tx.room, tx.batch
         for b in buffers:
-            step = max(1, cap // self.row_bytes[b])
+            rb = self.row_bytes[b]
+            step = max(1, cap // rb)
             for a, e in pieces:
                 for p in range(a, e, step):
                     if room.stopped:
                         return  # aborted or failed: stop sending this room at once
-                    await self._send(tx, kind, b, base + p, min(step, e - p), int(src[p]))
+                    count = min(step, e - p)
+                    nbytes = count * rb
+                    if 2 * nbytes <= cap and tx.batch_bytes + nbytes <= cap and len(batch) < MAX_BATCH_ENTRIES:
+                        # an entry that joins the batch without sending it: no coroutine per row
+                        # (scattered 64 KiB rows are 128 entries of an 8 MiB stream record)
+                        room.handed = True
+                        piece = self._piece(tx, kind, b, base + p, count, int(src[p]))
+                        if piece is not None:
+                            batch.append(piece)
+                            tx.batch_bytes += nbytes
+                        continue
+                    await self._send(tx, kind, b, base + p, count, int(src[p]))
+                    batch = tx.batch  # end_chunk starts a new list
 
     async def end_chunk(self, tx: RoomTx) -> None:
         pieces, tx.batch, tx.batch_bytes = tx.batch, [], 0
