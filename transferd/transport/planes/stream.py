@@ -9,9 +9,10 @@ connects the data waits; when it never connected (``fallback``), or once the she
 the messages take the ZeroMQ socket as before.
 
 Receiver side (:class:`StreamReceiver`): each record's header is decoded and checked as the
-same message from the ZeroMQ socket; a payload of at least ``DIRECT_MIN_BYTES`` (no checksum, no
-aux row) is read straight into its claimed destination rows, a smaller one into the stream's
-buffer and then written as a ZeroMQ payload would be.
+same message from the ZeroMQ socket; a payload of at least ``DIRECT_MIN_BYTES`` (no checksum) is
+read straight into its claimed destination rows (an aux row among them into the stream's buffer,
+written once its guard is checked), a smaller one into the stream's buffer and then written as
+a ZeroMQ payload would be.
 """
 
 from __future__ import annotations
