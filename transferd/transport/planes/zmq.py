@@ -48,27 +48,16 @@ class ZmqSender:
     async def send_rows(self, tx: RoomTx, kind: Kind, buffers: tuple[int, ...], src: np.ndarray,
                         dst: np.ndarray, base: int) -> None:
         pieces = runs(src, dst)
-        cap, room, batch = self.cap, tx.room, tx.batch
+        cap, room = self.cap, tx.room
         for b in buffers:
-            rb = self.row_bytes[b]
-            step = max(1, cap // rb)
+            step = max(1, cap // self.row_bytes[b])
             for a, e in pieces:
                 for p in range(a, e, step):
                     if room.stopped:
                         return  # aborted or failed: stop sending this room at once
-                    count = min(step, e - p)
-                    nbytes = count * rb
-                    if 2 * nbytes <= cap and tx.batch_bytes + nbytes <= cap and len(batch) < MAX_BATCH_ENTRIES:
-                        # an entry that joins the batch without sending it: no coroutine per row
-                        # (scattered 64 KiB rows are 128 entries of an 8 MiB stream record)
-                        room.handed = True
-                        piece = self._piece(tx, kind, b, base + p, count, int(src[p]))
-                        if piece is not None:
-                            batch.append(piece)
-                            tx.batch_bytes += nbytes
-                        continue
-                    await self._send(tx, kind, b, base + p, count, int(src[p]))
-                    batch = tx.batch  # end_chunk starts a new list
+                    count, row = min(step, e - p), int(src[p])
+                    if not self._join(tx, kind, b, base + p, count, row):  # no coroutine for what the batch takes
+                        await self._send(tx, kind, b, base + p, count, row)
 
     async def end_chunk(self, tx: RoomTx) -> None:
         pieces, tx.batch, tx.batch_bytes = tx.batch, [], 0
@@ -87,26 +76,35 @@ class ZmqSender:
         pass  # the socket belongs to the connection
 
     # -- runs -> messages ------------------------------------------------------------------------
+    def _join(self, tx: RoomTx, kind: Kind, buffer: int, pos: int, count: int, src_row: int) -> bool:
+        """Rows of one run as an entry of the room's batch, when they take at most half a message
+        and the batch has room for them: True (nothing to send yet; scattered 64 KiB rows are 128
+        entries of an 8 MiB stream record); False leaves them to :meth:`_send`."""
+        nbytes = count * self.row_bytes[buffer]
+        batch, cap = tx.batch, self.cap
+        if 2 * nbytes > cap or tx.batch_bytes + nbytes > cap or len(batch) >= MAX_BATCH_ENTRIES:
+            return False
+        tx.room.handed = True
+        piece = self._piece(tx, kind, buffer, pos, count, src_row)
+        if piece is not None:
+            batch.append(piece)
+            tx.batch_bytes += nbytes
+        return True
+
     async def _send(self, tx: RoomTx, kind: Kind, buffer: int, pos: int, count: int, src_row: int) -> None:
-        """Rows of one run: a message of their own when they fill more than half a message,
-        otherwise an entry of the room's batch (sent when full, at a chunk's end and before done)."""
+        """Rows of one run that :meth:`_join` did not take: a message of their own when they fill
+        more than half a message, else the first entry of a new batch once the full one is sent
+        (batches also go at a chunk's end and before done)."""
         room = tx.room
         room.handed = True
-        nbytes = count * self.row_bytes[buffer]
-        cap = self.cap
-        if 2 * nbytes > cap:
+        if 2 * count * self.row_bytes[buffer] > self.cap:
             piece = self._piece(tx, kind, buffer, pos, count, src_row)
             if piece is not None:
                 await self._emit_pieces(tx, [piece])
             return
-        if tx.batch and (tx.batch_bytes + nbytes > cap or len(tx.batch) >= MAX_BATCH_ENTRIES):
-            await self.end_chunk(tx)
-            if room.stopped:
-                return
-        piece = self._piece(tx, kind, buffer, pos, count, src_row)
-        if piece is not None:
-            tx.batch.append(piece)
-            tx.batch_bytes += nbytes
+        await self.end_chunk(tx)  # the batch is full: send it, then this entry starts the next
+        if not room.stopped:
+            self._join(tx, kind, buffer, pos, count, src_row)
 
     def _piece(self, tx: RoomTx, kind: Kind, buffer: int, pos: int, count: int, src_row: int) -> Piece | None:
         """One data entry: its header fields and payload rows (a copy only for a corrupting
