@@ -10,7 +10,6 @@ pool with what the policy says must have arrived — and checks that no other ro
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import os
@@ -33,6 +32,8 @@ from ..layout import KINDS
 from ..pool.shm import Pool
 from .faults import FAULT_KINDS, PAUSE_S, Fault, HostilePeer, parse_fault
 from .launcher import Launcher
+from .ops import write_json
+from .procs import dump_logs
 from .progress import progress_bar
 from .rooms import Room, mismatches, write_guard
 
@@ -196,23 +197,19 @@ def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
             launcher.start()
             summary = _run_rooms(cfg, launcher, faults)
         except BaseException:
-            _dump_logs(Path(run_dir) / "logs")
+            dump_logs(Path(run_dir) / "logs")
             raise
         finally:
             launcher.stop()
             for f in Path("/dev/shm").glob(f"transferd-{tag}-*"):  # pools of killed daemons
                 f.unlink(missing_ok=True)
         if not _passed(summary, cfg):
-            _dump_logs(Path(run_dir) / "logs")
+            dump_logs(Path(run_dir) / "logs")
     summary.seconds = round(time.monotonic() - t_start, 3)
     # with --json -, stdout carries the JSON alone: the human summary goes to stderr
     _print_summary(summary, _passed(summary, cfg), sys.stderr if json_path == "-" else sys.stdout)
     if json_path:
-        text = json.dumps(summary.to_json(), indent=2, sort_keys=True)
-        if json_path == "-":
-            print(text)
-        else:
-            Path(json_path).write_text(text + "\n")
+        write_json(summary.to_json(), json_path, sort_keys=True)
     return 0 if _passed(summary, cfg) else 1
 
 
@@ -227,14 +224,6 @@ def _passed(s: Summary, cfg: Config) -> bool:
     if not s.faults:
         return s.rooms_failed == 0
     return s.recovered
-
-
-def _dump_logs(log_dir: Path) -> None:
-    for f in sorted(log_dir.glob("*.log")):
-        tail = f.read_text(errors="replace").splitlines()[-20:]
-        print(f"--- {f.name} (last {len(tail)} lines) ---", file=sys.stderr)
-        for line in tail:
-            print(line, file=sys.stderr)
 
 
 class _Engines:

@@ -115,6 +115,15 @@ def status(cfg: Config, sender_rank: int | None, endpoint: str | None, as_json: 
         client.close()
 
 
+def write_json(doc: Any, path: str, *, sort_keys: bool = False) -> None:
+    """A tool's JSON result (``--json PATH``): to the file, or alone on stdout for ``-``."""
+    text = json.dumps(doc, indent=2, sort_keys=sort_keys)
+    if path == "-":
+        print(text, flush=True)
+    else:
+        Path(path).write_text(text + "\n")
+
+
 def table(rows: list[list[str]]) -> list[str]:
     """Rows of cells as aligned lines (each indented by two spaces); the first row is the header."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,15 @@ class Proc:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def dump_logs(log_dir: Path, prefix: str = "") -> None:
+    """The last 20 lines of every log in ``log_dir`` on stderr (a failed demo or soak)."""
+    for f in sorted(log_dir.glob("*.log")):
+        tail = f.read_text(errors="replace").splitlines()[-20:]
+        print(f"--- {prefix}{f.name} (last {len(tail)} lines) ---", file=sys.stderr)
+        for line in tail:
+            print(line, file=sys.stderr)
 
 
 def usage(pid: int) -> dict[str, int] | None:

@@ -20,7 +20,6 @@ fault gone, all of which must succeed. docs/FAULTS.md ("Soak") describes the rep
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
@@ -41,8 +40,8 @@ from ..pool.shm import shm_dir
 from .demo import DemoRoom, RoomRunner, Summary, child_env
 from .faults import FAULT_KINDS, Fault
 from .launcher import Launcher
-from .ops import table
-from .procs import usage
+from .ops import table, write_json
+from .procs import dump_logs, usage
 
 log = logging.getLogger(__name__)
 
@@ -300,15 +299,11 @@ def run_soak(base: Config, cfg_path: str | None, seconds: float, json_path: str 
         errors = {n: repr(lp.error) for n, lp in loops.items() if lp.error is not None}
         if errors or not _passed_rooms(loops):
             for lp in loops.values():
-                _dump_logs(Path(tmp) / lp.fleet / "logs")
+                dump_logs(Path(tmp) / lp.fleet / "logs", f"{lp.fleet}/")
     report = _report(base, loops, records, leaked, seconds, soaked, time.monotonic() - t_start, tag, errors, interrupt)
     _print(report, out)
     if json_path:
-        text = json.dumps(report, indent=2, sort_keys=False)
-        if json_path == "-":
-            print(text, flush=True)
-        else:
-            Path(json_path).write_text(text + "\n")
+        write_json(report, json_path)
     if interrupt:
         return 130
     return 0 if report["passed"] else 1
@@ -322,14 +317,6 @@ def _broken(loops: dict[str, FleetLoop]) -> bool:
 def _passed_rooms(loops: dict[str, FleetLoop]) -> bool:
     return not any(lp.summary.corrupted_rooms or lp.summary.mismatched_bytes or lp.summary.stray_bytes
                    for lp in loops.values())
-
-
-def _dump_logs(log_dir: Path) -> None:
-    for f in sorted(log_dir.glob("*.log")):
-        tail = f.read_text(errors="replace").splitlines()[-20:]
-        print(f"--- {log_dir.parent.name}/{f.name} (last {len(tail)} lines) ---", file=sys.stderr)
-        for line in tail:
-            print(line, file=sys.stderr)
 
 
 def _progress(rec: dict[str, Any]) -> None:

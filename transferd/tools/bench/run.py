@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,7 @@ from typing import Any
 
 from ...config import Config
 from ...errors import ConfigError
+from ..ops import write_json
 from .plan import BULK_KEYS, FULL, QUICK, SIZES, dedup_config_path
 from .report import format_table, plot, report
 from .subjects import Bench
@@ -99,11 +99,7 @@ def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_pa
     out["seconds"] = round(time.monotonic() - t_start, 2)
     print(format_table(out), file=table_out, flush=True)
     if json_path:
-        text = json.dumps(out, indent=2, sort_keys=False)
-        if json_path == "-":
-            print(text, flush=True)
-        else:
-            Path(json_path).write_text(text + "\n")
+        write_json(out, json_path)
     if plot_path:
         plot(out, plot_path)
     return 0 if ok else 1
