@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
@@ -320,6 +320,19 @@ _DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$")
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)$")
 
 
+def _check_engine_plane(side: str, c: ReceiverConfig | SenderConfig, plane: DataPlane, engine: str,
+                        installed: Callable[[], bool], install: str) -> None:
+    """A side that sets ``data_plane`` to a transfer engine: not with CURVE (the engine moves the
+    rows unencrypted), and only with the engine's wheel importable."""
+    if c.data_plane is not plane:
+        return
+    if c.curve_secret_key:
+        raise ConfigError(f"{side}.data_plane = \"{plane.value}\" with {side}.curve_secret_key: {engine} moves "
+                          "the rows unencrypted; use one or the other")
+    if not installed():
+        raise ConfigError(f"{side}.data_plane = \"{plane.value}\" needs {install}")
+
+
 def _check_mooncake(cfg: Config) -> None:
     """The Mooncake Transfer Engine settings of both sections (docs/CONFIG.md)."""
     import importlib.util
@@ -335,13 +348,8 @@ def _check_mooncake(cfg: Config) -> None:
         if c.mooncake_hostname and not _HOST_RE.match(c.mooncake_hostname):
             raise ConfigError(f"{side}.mooncake_hostname {c.mooncake_hostname!r} must be a host name or address "
                               "(no port: the engine picks its own)")
-        if c.data_plane is DataPlane.MOONCAKE:
-            if c.curve_secret_key:
-                raise ConfigError(f"{side}.data_plane = \"mooncake\" with {side}.curve_secret_key: Mooncake TE moves "
-                                  "the rows unencrypted; use one or the other")
-            if importlib.util.find_spec("mooncake") is None:
-                raise ConfigError(f"{side}.data_plane = \"mooncake\" needs Mooncake Transfer Engine: pip install "
-                                  "'transferd[mooncake]' (and Debian's libibverbs1)")
+        _check_engine_plane(side, c, DataPlane.MOONCAKE, "Mooncake TE", lambda: importlib.util.find_spec("mooncake") is not None,
+                            "Mooncake Transfer Engine: pip install 'transferd[mooncake]' (and Debian's libibverbs1)")
     if not 1 <= r.mooncake_batch_entries <= MOONCAKE_MAX_ENTRIES:
         raise ConfigError(f"receiver.mooncake_batch_entries must lie in [1, {MOONCAKE_MAX_ENTRIES}], "
                           f"not {r.mooncake_batch_entries}")
@@ -374,12 +382,7 @@ def _check_nixl(cfg: Config) -> None:
         if c.nixl_ucx_modules and not _UCX_MODULES_RE.match(c.nixl_ucx_modules):
             raise ConfigError(f"{side}.nixl_ucx_modules {c.nixl_ucx_modules!r} must be a UCX_MODULES list "
                               "(module names separated by commas, \"^\" first to exclude them), or empty")
-        if c.data_plane is DataPlane.NIXL:
-            if c.curve_secret_key:
-                raise ConfigError(f"{side}.data_plane = \"nixl\" with {side}.curve_secret_key: NIXL (UCX) moves "
-                                  "the rows unencrypted; use one or the other")
-            if not nixl_installed():
-                raise ConfigError(f"{side}.data_plane = \"nixl\" needs NIXL: pip install 'transferd[nixl]'")
+        _check_engine_plane(side, c, DataPlane.NIXL, "NIXL (UCX)", nixl_installed, "NIXL: pip install 'transferd[nixl]'")
     if not 1 <= r.nixl_batch_entries <= NIXL_MAX_ENTRIES:
         raise ConfigError(f"receiver.nixl_batch_entries must lie in [1, {NIXL_MAX_ENTRIES}], not {r.nixl_batch_entries}")
     if not 1 <= r.nixl_reads_in_flight <= 64:
