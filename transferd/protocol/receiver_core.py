@@ -177,6 +177,11 @@ class Settings:
 _ENGINES = {"mooncake": "Mooncake TE", "nixl": "NIXL"}  # the engines a sender may offer its pool to
 
 
+def _engine_of(msg: Register) -> str:
+    """The engine a register offers the pool to (meaningful with a ``te_session``)."""
+    return "nixl" if msg.nixl_md else "mooncake"
+
+
 # -- the core ----------------------------------------------------------------------------------
 
 class ReceiverCore:
@@ -316,8 +321,8 @@ class ReceiverCore:
         if msg.te_session and len(msg.te_addrs) != len(self._row_bytes):
             refuse(f"te_addrs names {len(msg.te_addrs)} buffers, the layout has {len(self._row_bytes)}", "bad_settings")
             return None
-        engine = "nixl" if msg.nixl_md else "mooncake"  # the engine the sender offers its pool to
-        if msg.te_session and (self.s.nixl if msg.nixl_md else self.s.mooncake):  # the same-host pool is not needed
+        engine = _engine_of(msg)
+        if msg.te_session and (self.s.nixl if engine == "nixl" else self.s.mooncake):  # the same-host pool is not needed
             return Admission(ident, msg, split, checksum, "", te=True)
         if msg.te_session:  # a receiver that reads with an engine also serves senders that do not
             self.actions.append(Note("warning", f"{msg.group} rank {msg.rank} offers {_ENGINES[engine]} reads but "
@@ -376,7 +381,7 @@ class ReceiverCore:
             self.stream_keys[stream_key] = ident
         self.actions.append(Send(ident, self._registered(True, shm=same_host, stream_port=port,
                                                          stream_key=peer.stream_key if port else b"", te=te)))
-        how = (f"{_ENGINES['nixl' if msg.nixl_md else 'mooncake']} reads from {msg.te_session}" if te else
+        how = (f"{_ENGINES[_engine_of(msg)]} reads from {msg.te_session}" if te else
                f"same-host path via pool {msg.pool}" if same_host else
                f"data stream on port {port}" if port else "data over the socket")
         self.actions.append(Note("info", f"registered {msg.group} rank {msg.rank}/{msg.cp_size} ({adm.split.value}, "
