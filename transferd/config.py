@@ -66,6 +66,7 @@ class ReceiverConfig:
     stall_timeout_s: float = 60.0
     waiting_timeout_s: float = 600.0  # assigned, but the prefill side never started sending
     same_host: AutoOff = AutoOff.AUTO  # read same-host senders' pools directly ("auto") or never ("off")
+    same_host_read_threads: int = 2  # threads that read same-host messages of >= 256 KiB (1-64)
     data_stream: AutoOff = AutoOff.AUTO  # offer senders a plain TCP data stream ("auto": tcp:// bind, no CURVE) or not ("off")
     stream_port: int = 0  # the data stream's TCP port on the bind address (0 = any free port)
     data_plane: DataPlane = DataPlane.AUTO  # "mooncake"/"nixl": read the rows of senders that offer it with that engine
@@ -271,6 +272,8 @@ class Config:
         r.admitted()  # raises on a bad receiver.groups entry
         if not 0 <= r.stream_port <= 65535:
             raise ConfigError(f"receiver.stream_port must lie in [0, 65535], not {r.stream_port}")
+        if not 1 <= r.same_host_read_threads <= 64:
+            raise ConfigError(f"receiver.same_host_read_threads must lie in [1, 64], not {r.same_host_read_threads}")
         _at_least(0, True, r.stall_timeout_s, "receiver.stall_timeout_s", r.bootstrap_timeout_s,
                   "receiver.bootstrap_timeout_s", r.waiting_timeout_s, "receiver.waiting_timeout_s",
                   s.assign_timeout_s, "sender.assign_timeout_s", r.heartbeat_interval_s,

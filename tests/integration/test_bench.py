@@ -62,12 +62,12 @@ def test_every_measured_room_was_byte_exact(run: tuple[dict[str, Any], str]) -> 
 
 def test_limits_and_bulk_have_a_figure_per_size(run: tuple[dict[str, Any], str]) -> None:
     out, _ = run
-    for path in ("memcpy", "pread", "raw_zmq_tcp", "raw_tcp"):
+    for path in ("memcpy", "pread", "vm_read", "raw_zmq_tcp", "raw_tcp"):
         for key in SIZES:
             entry = out["limits"][path][key]
             assert _pos(entry["gbps"]), (path, key, entry)
             assert len(entry["rounds"]) == (out["target_repeats"] if key == "1MiB" else out["repeats"])
-            if path == "pread":  # the same-host path's own ceiling, beside memcpy's
+            if path in ("pread", "vm_read"):  # the same-host path's own ceilings, beside memcpy's
                 assert _pos(entry["vs_memcpy"]), entry
             elif path != "memcpy":  # the baselines' CPU per byte, beside transferd's
                 assert _pos(entry["receiver_cpu_s_per_gb"]) and _pos(entry["sender_cpu_s_per_gb"]), entry
@@ -138,6 +138,7 @@ def test_same_host_column_when_transferd_has_the_path(run: tuple[dict[str, Any],
     assert _pos(out["ratios"]["same_host_vs_memcpy"])
     for key in BULK:
         assert _pos(sh[key]["gbps"]) and _pos(sh[key]["vs_memcpy"]) and _pos(sh[key]["vs_pread"]), (key, sh[key])
+        assert _pos(sh[key]["vs_vm_read"]), (key, sh[key])
         assert sh[key]["shm_share"] == pytest.approx(1.0, abs=1e-3)  # it really took the same-host path
 
 

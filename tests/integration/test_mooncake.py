@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from transferd.transport.planes.mooncake import MooncakeEngine, Reader, _Job
+from transferd.transport.planes.mooncake import MooncakeEngine
+from transferd.transport.planes.reads import Job, Reader
 
 ROW = 16 << 10
 ROWS = 4096
@@ -81,7 +82,7 @@ def test_4096_reads_of_16_kib_rejected_raw_go_through_the_reader_in_bounded_batc
     async def run() -> None:
         for start in range(0, ROWS, 256):  # 16 jobs of 256 rows, as 16 data-refs messages would be
             loc, rem, ln = _entries(src, dst, range(start, start + 256))
-            reader.submit(_Job(1, src_engine.session, loc, rem, ln, lambda: True,
+            reader.submit(Job(1, src_engine.session, loc, rem, ln, lambda: True,
                                lambda rc, row: outcomes.append(rc)))
         await reader.settled(1)
 
@@ -109,7 +110,7 @@ def test_reads_of_a_room_that_ended_are_never_started(engines: Any) -> None:
     async def run() -> None:
         for start in range(0, 1024, 64):
             loc, rem, ln = _entries(src, dst, range(start, start + 64))
-            reader.submit(_Job(7, src_engine.session, loc, rem, ln, lambda: not ended.is_set(),
+            reader.submit(Job(7, src_engine.session, loc, rem, ln, lambda: not ended.is_set(),
                                lambda rc, row: outcomes.append(rc)))
         ended.set()  # the room ends: the first batch is already running, the rest wait
         assert reader.busy(7)

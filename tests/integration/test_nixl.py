@@ -20,8 +20,8 @@ import pytest
 from transferd.layout import layout_difference
 from transferd.pool import Pool
 from transferd.protocol.room import RoomState
-from transferd.transport.planes.mooncake import Reader, _Job
 from transferd.transport.planes.nixl import NixlEngine
+from transferd.transport.planes.reads import Job, Reader
 
 from .harness import Cluster, fill_random
 from .test_hostile import (
@@ -98,7 +98,7 @@ def test_4096_reads_go_through_the_reader_byte_exact_in_bounded_requests(engines
     async def run() -> None:
         for start in range(0, ROWS, 256):  # 16 jobs of 256 rows, as 16 data-refs messages would be
             loc, rem, ln = _entries(src, dst, range(start, start + 256))
-            reader.submit(_Job(1, src_engine.session, loc, rem, ln, lambda: True,
+            reader.submit(Job(1, src_engine.session, loc, rem, ln, lambda: True,
                                lambda rc, row: outcomes.append(rc)))
         await reader.settled(1)
 
@@ -119,7 +119,7 @@ def test_reads_of_a_room_that_ended_are_never_started(engines: Any) -> None:
     async def run() -> None:
         for start in range(0, 1024, 64):
             loc, rem, ln = _entries(src, dst, range(start, start + 64))
-            reader.submit(_Job(7, src_engine.session, loc, rem, ln, lambda: not ended.is_set(),
+            reader.submit(Job(7, src_engine.session, loc, rem, ln, lambda: not ended.is_set(),
                                lambda rc, row: outcomes.append(rc)))
         ended.set()  # the room ends: the first request is already running, the rest wait
         await reader.settled(7)

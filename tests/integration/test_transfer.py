@@ -3,13 +3,15 @@ wire accounting."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from transferd.errors import BadRequest, UnknownRoom
 from transferd.protocol.room import RoomState
 
-from .harness import Cluster, fill_random
+from .harness import MODEL, Cluster, fill_random
 from .rooms import expect, make_room, mismatches, state_copy_bytes, submit_all
 
 
@@ -190,6 +192,82 @@ def test_same_host_path_is_byte_exact_and_keeps_the_abort_barrier(cluster: Clust
     assert [pc.wait(r2.room, 10).code for pc in pcs] == ["aborted"] * 2
     dc.ping()
     assert all(np.array_equal(a, b) for a, b in zip(after, dpool.rows))
+
+
+BIG_ROWS = {**MODEL, "kv_token_elems": 32768}  # 256 KiB KV pages: 40 of them are 10 MiB a layer
+
+
+@pytest.mark.parametrize("cp", [1, 3])
+def test_same_host_messages_read_by_several_threads_land_byte_exact(cluster: Cluster, cp: int) -> None:
+    """Messages of >= 256 KiB are cut into jobs of 8 MiB (across broken runs) that the receiver's
+    threads read; every byte lands once, and abort answers only after the jobs of its room have
+    settled: after it, the decode pool does not change."""
+    ep, dc, dpool = cluster.receiver(model=BIG_ROWS, kv_pages=200, same_host_read_threads=3)
+    pcs, spools = cluster.group("prefill0", cp, [ep], same_host="auto", model=BIG_ROWS, kv_pages=128)
+    for i, p in enumerate(spools):
+        fill_random(p, 40 + i)
+    fill_random(dpool, 41)
+    before = [rows.copy() for rows in dpool.rows]
+    batches0 = dc.stats()["same_host_reads"]["batches"]
+    r = make_room(90, "prefill0", 40 * cp, cp, prefix=3, chunks=[(0, 40 * cp)], spools=spools)
+    expect(dc, r)
+    submit_all(pcs, r)
+    assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
+    assert mismatches(r, dpool, spools, "pages", before) == 0
+    rx = dc.stats()
+    assert rx["shm_bytes"] == sum(rx["bytes"].values()) > 0
+    reads = rx["same_host_reads"]
+    assert reads["copy"] == "process_vm_readv" and reads["failed"] == 0
+    # every rank's 3 KV layers of about 10 MiB: two jobs each (the rank holding the prefix, one less page)
+    assert reads["batches"] - batches0 >= 2 * 3 * cp
+    dc.release(r.room, r.group)
+    # aborted while their jobs are queued or running: nothing lands once abort has answered
+    rooms = [make_room(91 + k, "prefill0", 25, cp, chunks=[(0, 25)], dst_start=120 + 25 * k, slot=4 + 3 * k,
+                       spools=spools) for k in range(3)]
+    for rr in rooms:
+        expect(dc, rr)
+    for rr in rooms:
+        submit_all(pcs, rr)
+    for rr in rooms:
+        dc.abort(rr.room, rr.group, "stop")
+    after = [rows.copy() for rows in dpool.rows]
+    for rr in rooms:
+        assert all(pc.wait(rr.room, 10).state.terminal for pc in pcs)
+    dc.ping()
+    assert all(np.array_equal(a, b) for a, b in zip(after, dpool.rows))
+
+
+def test_a_pool_truncated_under_threaded_reads_fails_its_rooms_and_not_the_receiver(cluster: Cluster) -> None:
+    """The receiver's threads read large messages out of a read-only mapping of the sender's
+    pool file with process_vm_readv; the test truncates that file while rooms are being read.
+    The copy comes back short (never SIGBUS in the receiver), the rooms fail ``no_shm``, and a
+    same-host room of another group then lands byte-exact."""
+    from transferd.pool.shm import pool_path
+
+    ep, dc, dpool = cluster.receiver(model=BIG_ROWS, kv_pages=200)
+    pcs, spools = cluster.group("prefill0", 1, [ep], same_host="auto", model=BIG_ROWS, kv_pages=128)
+    fill_random(spools[0], 50)
+    rooms = [make_room(120 + k, "prefill0", 40, 1, chunks=[(0, 40)], dst_start=40 * k, slot=4 + 3 * k,
+                       spools=spools) for k in range(4)]
+    for rr in rooms:
+        expect(dc, rr)
+    for rr in rooms:
+        submit_all(pcs, rr)
+    os.truncate(pool_path(spools[0].name), 4096)  # while the rooms' 10 MiB messages are read
+    states = [dc.wait(rr.room, rr.group, 20) for rr in rooms]
+    assert all(st.state.terminal for st in states)
+    failed = [st for st in states if st.state is RoomState.FAILED]
+    assert failed and all(st.code == "no_shm" and "shrank" in st.reason for st in failed), failed
+    assert dc.ping()
+    pcs2, spools2 = cluster.group("prefill1", 1, [ep], same_host="auto", model=BIG_ROWS, kv_pages=128)
+    fill_random(spools2[0], 51)
+    fill_random(dpool, 52)
+    before = [rows.copy() for rows in dpool.rows]
+    r = make_room(130, "prefill1", 40, 1, chunks=[(0, 40)], dst_start=160, slot=20, spools=spools2)
+    expect(dc, r)
+    submit_all(pcs2, r)
+    assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
+    assert mismatches(r, dpool, spools2, "pages", before) == 0
 
 
 def test_same_host_path_can_be_turned_off_on_the_receiver(cluster: Cluster) -> None:

@@ -12,7 +12,7 @@ from transferd.tools.bench import BULK_KEYS, DEDUP_CPS, SIZES, SMALL_CPS, block_
 def _names() -> list[str]:
     out = []
     for key in SIZES:
-        out += [f"memcpy/{key}", f"pread/{key}", f"raw_zmq/{key}", f"raw_tcp/{key}", f"mooncake/{key}"]
+        out += [f"memcpy/{key}", f"pread/{key}", f"vm_read/{key}", f"raw_zmq/{key}", f"raw_tcp/{key}", f"mooncake/{key}"]
     for key in BULK_KEYS:
         out += [f"bulk/{key}", f"bulk_shm/{key}"]
     out.append("bulk_zmq/1MiB")
@@ -33,6 +33,7 @@ def _ratio_pairs() -> list[tuple[str, str]]:
         pairs += [(f"bulk/{key}", f"raw_zmq/{msg}"), (f"bulk/{key}", f"raw_tcp/{msg}"),
                   (f"bulk/{key}", f"memcpy/{msg}"), (f"bulk_shm/{key}", f"memcpy/{msg}"),
                   (f"bulk_shm/{key}", f"pread/{msg}"), (f"pread/{msg}", f"memcpy/{msg}"),
+                  (f"bulk_shm/{key}", f"vm_read/{msg}"), (f"vm_read/{msg}", f"memcpy/{msg}"),
                   (f"bulk_shm/{key}", f"bulk/{key}")]
     pairs += [(f"bulk/{k}", f"mooncake/{k}") for k in SIZES]
     pairs += [("bulk_zmq/1MiB", "raw_zmq/1MiB"), ("bulk/1MiB", "bulk_zmq/1MiB")]

@@ -15,7 +15,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -55,6 +55,7 @@ from ..transport.planes import (
     NixlReceiver,
     Reader,
     ReceiverPlane,
+    SameHostEngine,
     SameHostReceiver,
     local_hostname,
 )
@@ -90,6 +91,7 @@ class Receiver(AgentBase):
         self.slow_s = cfg.faults.slow_receiver_ms / 1000.0  # fault injection: a slow decode side
         self.planes: dict[int, tuple[Peer, ReceiverPlane]] = {}  # id(peer) -> its same-host or Mooncake plane
         self.reader: Reader | None = None  # Mooncake TE or NIXL reads (receiver.data_plane = "mooncake"/"nixl")
+        self.shm_reader: Reader | None = None  # same-host reads of large messages, on threads
         self.streams_of: dict[int, tuple[Peer, StreamReader]] = {}  # id(peer) -> its open data stream
         self._trimmed = 0.0  # when the freed heap was last given back (idle ticks only)
         self.heap_trims = 0
@@ -128,6 +130,10 @@ class Receiver(AgentBase):
         self.router.setsockopt(zmq.RCVHWM, self.rcfg.recv_hwm)  # bounds bytes in flight per sender
         self.router.bind(self.rcfg.bind)
         self.data_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.rcfg.same_host != AutoOff.OFF:
+            threads = self.rcfg.same_host_read_threads
+            self.shm_reader = Reader(SameHostEngine(), 1 << 16, 4 * threads, 0, threads=threads,
+                                     batch_bytes=SameHostReceiver.JOB_BYTES, thread_name="same-host-read")
         if self.rcfg.data_plane is DataPlane.MOONCAKE:
             self._start_mooncake()
         elif self.rcfg.data_plane is DataPlane.NIXL:
@@ -220,10 +226,10 @@ class Receiver(AgentBase):
         for _, plane in list(self.planes.values()):
             plane.close()
         self.planes.clear()
-        if self.reader is not None:  # its reads in flight write into the pool: they end first
-            self.reader.drop_queued()
-            await asyncio.get_running_loop().run_in_executor(None, self.reader.close)
-            self.reader = None
+        for rd in self.readers():  # their reads in flight write into the pool: they end first
+            rd.drop_queued()
+            await asyncio.get_running_loop().run_in_executor(None, rd.close)
+        self.reader = self.shm_reader = None
         for _, reader in list(self.streams_of.values()):
             reader.peer = None
             reader.close("the receiver stopped")
@@ -287,15 +293,13 @@ class Receiver(AgentBase):
         else:
             log.debug("%s: room %s/%d succeeded in %.3fs", self.name, room.req.group, room.req.room,
                       room.finished - room.created)
-        if self.reader is not None and self.reader.busy(room.tok):  # the engines hear once its reads settled
-            self.reader.after(room.tok, partial(self._wake, room.tok))
-        else:
-            self._wake(room.tok)
-        # the senders hear of it right after the waiting engines' answers have gone out (their
-        # tasks were woken first): the engine's latency does not include these sends
+        # the engines hear once its reads settled (now, when none is queued or running); the
+        # senders right after the waiting engines' answers have gone out (their tasks were woken
+        # first): the engine's latency does not include these sends, and once a sender has its
+        # status no byte of the room is read out of its pool
+        self.after_room_reads(room.tok, partial(self._wake, room.tok))
         told = Status(room.tok, room.req.room, new.state.value, new.code, new.reason)
-        assert self.loop is not None
-        self.loop.call_soon(self._tell_senders, list(room.assigned.values()), told)
+        self.after_room_reads(room.tok, partial(self._tell_senders_soon, list(room.assigned.values()), told))
 
     def _wake(self, tok: int) -> None:
         for fut in self._waiters.pop(tok, ()):
@@ -307,17 +311,41 @@ class Receiver(AgentBase):
         room = self.core.rooms.get((group, room_id))
         return room.tok if room is not None else -1
 
+    def readers(self) -> list[Reader]:
+        """The readers whose threads write into the decode pool: same-host, Mooncake TE or NIXL."""
+        return [r for r in (self.shm_reader, self.reader) if r is not None]
+
+    def reads_busy(self, tok: int) -> bool:
+        """Whether any read of the room is queued or running."""
+        return any(r.busy(tok) for r in self.readers())
+
+    def after_room_reads(self, tok: int, fn: Callable[[], None]) -> None:
+        """``fn()`` once every read of the room has settled (now, when none is queued or running)."""
+        for r in self.readers():
+            if r.busy(tok):
+                r.after(tok, partial(self.after_room_reads, tok, fn))
+                return
+        fn()
+
+    async def room_reads_settled(self, tok: int) -> None:
+        while self.reads_busy(tok):
+            for r in self.readers():
+                await r.settled(tok)
+
     def after_reads(self, tok: int, status: RoomStatus) -> RoomStatus | Awaitable[RoomStatus]:
-        """``status`` once the room's engine reads in flight have settled (abort and release are
+        """``status`` once the room's reads in flight have settled (abort and release are
         barriers: after the answer, no byte of the room is written)."""
-        reader = self.reader
-        if reader is None or not reader.busy(tok):
+        if not self.reads_busy(tok):
             return status
 
         async def settled() -> RoomStatus:
-            await reader.settled(tok)
+            await self.room_reads_settled(tok)
             return status
         return settled()
+
+    def _tell_senders_soon(self, idents: list[bytes], status: Status) -> None:
+        assert self.loop is not None
+        self.loop.call_soon(self._tell_senders, idents, status)
 
     def _tell_senders(self, idents: list[bytes], status: Status) -> None:
         for ident in idents:
@@ -358,7 +386,8 @@ class Receiver(AgentBase):
         pool = self._same_host_pool(adm.same_host_pool, msg) if adm.same_host_pool and not te else None
         peer = self.core.admit(adm, now, same_host=pool is not None, stream_key=os.urandom(KEY_BYTES), te=te)
         if pool is not None:
-            self.planes[id(peer)] = (peer, SameHostReceiver(pool))
+            assert self.shm_reader is not None  # a pool is only attached when same_host is not "off"
+            self.planes[id(peer)] = (peer, SameHostReceiver(pool, self.shm_reader, self.data))
         elif te:
             assert self.reader is not None
             theirs = PoolLayout.from_wire(msg.layout).buffers  # it parsed in the core's checks; rows may differ
@@ -458,8 +487,8 @@ class Receiver(AgentBase):
                     left.remove(fut)
                     if not left:
                         del self._waiters[room.tok]
-        elif self.reader is not None and self.reader.busy(room.tok):
-            await self.reader.settled(room.tok)  # it ended with engine reads in flight: after them
+        elif self.reads_busy(room.tok):
+            await self.room_reads_settled(room.tok)  # it ended with reads in flight: after them
         return room.status
 
     def ping_info(self) -> dict[str, Any]:
@@ -498,6 +527,12 @@ class Receiver(AgentBase):
                    data_endpoint=self.data_endpoint, engine_endpoint=self.engine_endpoint,
                    metrics_port=self.metrics.port, uptime_s=round(time.time() - self.t_start, 3),
                    draining=self.draining, heap_trims=self.heap_trims)
+        shm = self.shm_reader
+        if shm is not None:  # the same-host plane's jobs read on its threads, and the call they use
+            engine = shm.engine
+            assert isinstance(engine, SameHostEngine)
+            out["same_host_reads"] = {"batches": shm.reads, "failed": shm.failed,
+                                      "copy": "process_vm_readv" if engine.vm else "pread"}
         return out
 
     def status(self) -> dict[str, Any]:

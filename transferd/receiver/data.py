@@ -29,7 +29,7 @@ from ..protocol.messages import (
 from ..protocol.receiver_core import DecodeRoom, Peer
 from ..protocol.stream import hello_key
 from ..transport.data_stream import StreamReader, Target
-from ..transport.planes import MooncakeReceiver, ReceiverPlane, StreamReceiver, ZmqReceiver
+from ..transport.planes import ReceiverPlane, StreamReceiver, ZmqReceiver
 from ..types import Kind, PlaneName
 
 if TYPE_CHECKING:
@@ -119,10 +119,9 @@ class DataPath:
         elif isinstance(msg, Pong):
             pass  # last_seen is already updated
         elif isinstance(msg, Done):
-            plane = self.rx.plane_of(peer)
-            if isinstance(plane, MooncakeReceiver) and plane.reader.busy(msg.tok):
+            if self.rx.reads_busy(msg.tok):
                 # its rows are still being read: the core hears of it once they settled
-                plane.reader.after(msg.tok, partial(self._late_done, peer, msg))
+                self.rx.after_room_reads(msg.tok, partial(self._late_done, peer, msg))
             else:
                 core.done(peer, msg, now)
         elif isinstance(msg, Fail):
@@ -131,7 +130,7 @@ class DataPath:
             self.rx.refuse("unexpected_type", f"{type(msg).__name__} is not sent to a receiver", ident)
 
     def _late_done(self, peer: Peer, msg: Done) -> None:
-        """A ``done`` that waited for its room's engine reads to settle."""
+        """A ``done`` that waited for its room's reads to settle."""
         self.core.done(peer, msg, time.monotonic())
         self.flush()
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from ...errors import TransferdError
 from ...layout import ModelSpec
 from ...pool.shm import Pool, pool_path
 from ...transport.data_stream import RECV_CHUNK
+from ...transport.planes.same_host import PoolFile, SameHostEngine, SameHostReceiver, cut, map_read_only, unmap
 from ..procs import ProcessGroup, popen
 from .plan import CP8, POISON, SIZES, Filler, MiB, Plan, cpu_seconds, repo_root
 from .tcp_sender import CMD
@@ -169,6 +171,35 @@ class Limits:
             dt = time.perf_counter() - t0
         finally:
             os.close(fd)
+        return {"gbps": n * size / dt / 1e9}
+
+    def vm_read(self, key: str) -> dict[str, Any]:
+        """The same-host path's threaded ceiling: the same pieces as :meth:`memcpy`, read the way
+        the receiver reads large messages — :class:`SameHostEngine` (``process_vm_readv`` out of a
+        read-only mapping of the pool's file), jobs of 8 MiB on two threads (the default
+        ``receiver.same_host_read_threads``): the fastest copy that a peer shrinking its file
+        cannot turn into SIGBUS."""
+        assert self.pool is not None
+        size = SIZES[key]
+        dst = self.pool.rows[1].reshape(-1)
+        addr, base = int(dst.ctypes.data), self.pool.offsets[0]
+        n = min(self.total, dst.size) // size
+        fd = os.open(pool_path(self.pool.name), os.O_RDONLY)
+        end = base + n * size
+        f = PoolFile(fd, map_read_only(fd, end), end)
+        engine = SameHostEngine()
+        engine.files["limits"] = f
+        jobs = cut([(addr + i * size, base + i * size, size) for i in range(n)], SameHostReceiver.JOB_BYTES)
+        try:
+            with ThreadPoolExecutor(2, thread_name_prefix="bench-vm-read") as ex:
+                t0 = time.perf_counter()
+                rcs = list(ex.map(lambda job: engine.read("limits", *job), jobs))
+                dt = time.perf_counter() - t0
+        finally:
+            unmap(f.base, f.length)
+            os.close(fd)
+        if any(rcs) or not f.base or not engine.vm:
+            raise TransferdError(f"bench: the process_vm_readv limit could not read the limits pool (rc {rcs[:4]})")
         return {"gbps": n * size / dt / 1e9}
 
     def _raw(self, key: str, how: str, receive: Callable[[np.ndarray, int, int], None]) -> dict[str, Any]:

@@ -417,6 +417,7 @@ class Bench:
         for key in SIZES:
             out.append((f"memcpy/{key}", partial(lim.memcpy, key)))
             out.append((f"pread/{key}", partial(lim.pread, key)))
+            out.append((f"vm_read/{key}", partial(lim.vm_read, key)))
             out.append((f"raw_zmq/{key}", partial(lim.raw_zmq, key)))
             out.append((f"raw_tcp/{key}", partial(lim.raw_tcp, key)))
         for key in BULK_KEYS:

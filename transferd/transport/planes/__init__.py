@@ -13,10 +13,11 @@ otherwise — and built from :data:`SENDER_PLANES`. A new plane is one module im
 from __future__ import annotations
 
 from ...types import PlaneName
-from .mooncake import MooncakeEngine, MooncakeReceiver, MooncakeSender, Reader, local_hostname
+from .mooncake import MooncakeEngine, MooncakeReceiver, MooncakeSender, local_hostname
 from .nixl import NixlEngine, NixlReceiver, NixlSender
+from .reads import Reader
 from .receiving import PayloadReceiver, ReceiverPlane
-from .same_host import SameHostReceiver, SameHostSender
+from .same_host import SameHostEngine, SameHostReceiver, SameHostSender
 from .sending import ConnPipes, RoomTx, SendEnv, SenderPlane, SenderPlaneFactory
 from .stream import RowSink, StreamReceiver, StreamSender
 from .zmq import ZmqReceiver, ZmqSender
@@ -47,6 +48,25 @@ def sender_plane(name: PlaneName, env: SendEnv, pipes: ConnPipes) -> SenderPlane
     return SENDER_PLANES[name](env, pipes)
 
 
-__all__ = ["RECEIVER_PLANES", "SENDER_PLANES", "ConnPipes", "MooncakeEngine", "MooncakeReceiver", "NixlEngine",
-           "NixlReceiver", "PayloadReceiver", "Reader", "ReceiverPlane", "RoomTx", "RowSink", "SameHostReceiver", "SendEnv", "SenderPlane",
-           "StreamReceiver", "ZmqReceiver", "local_hostname", "sender_plane"]
+__all__ = [
+    "RECEIVER_PLANES",
+    "SENDER_PLANES",
+    "ConnPipes",
+    "MooncakeEngine",
+    "MooncakeReceiver",
+    "NixlEngine",
+    "NixlReceiver",
+    "PayloadReceiver",
+    "Reader",
+    "ReceiverPlane",
+    "RoomTx",
+    "RowSink",
+    "SameHostEngine",
+    "SameHostReceiver",
+    "SendEnv",
+    "SenderPlane",
+    "StreamReceiver",
+    "ZmqReceiver",
+    "local_hostname",
+    "sender_plane",
+]

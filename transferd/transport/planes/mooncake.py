@@ -27,18 +27,14 @@ naming the source rows of each run, then ``done`` on its ZeroMQ socket — and t
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import logging
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -47,24 +43,12 @@ from ...protocol.messages import DataRef, DataRefs
 from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
 from ...protocol.room import runs
 from ...types import Kind, PlaneName
+from .reads import Job, Reader, ReadSink, Refs, live, read_ended
 from .same_host import SameHostSender, ref_rows
 
 log = logging.getLogger(__name__)
 
-STAGING_ROWS = 64  # aux rows read at once (each into a registered staging row)
-
-
 # -- the engine --------------------------------------------------------------------------------
-
-class ReadEngine(Protocol):
-    """What :class:`Reader` needs of an engine (Mooncake TE here, NIXL in ``nixl.py``)."""
-
-    def register(self, buffers: Sequence[np.ndarray]) -> tuple[int, ...]: ...
-
-    def read(self, session: str, local: list[int], remote: list[int], lens: list[int]) -> int: ...
-
-    def close(self) -> None: ...
-
 
 class MooncakeEngine:
     """One Mooncake Transfer Engine (P2P handshake, no metadata server) and the pool buffers
@@ -150,215 +134,6 @@ class MooncakeSender(SameHostSender):
 
 # -- receiver side -----------------------------------------------------------------------------
 
-class ReadSink(Protocol):
-    """What the Mooncake plane needs of the receiver's data path."""
-
-    core: ReceiverCore
-
-    def data(self, peer: Peer, plane: Any, msg: Any, payload: Any, now: float) -> None: ...
-
-    def landed(self, room: DecodeRoom, how: PlaneName, buffer: int, nbytes: int, now: float) -> None: ...
-
-    def flush(self) -> None: ...
-
-
-@dataclass(slots=True, eq=False)
-class _Job:
-    """One engine batch: reads of one room from one session."""
-
-    tok: int
-    session: str
-    local: list[int]
-    remote: list[int]
-    lens: list[int]
-    alive: Callable[[], bool]  # asked before the read starts: False drops it (the room ended)
-    done: Callable[[int | None, int], None]  # (engine rc, or None: dropped unread; staging row)
-    staging: bool = False  # reads into a staging row (taken when it starts, given back after done)
-
-
-@dataclass(slots=True, eq=False)
-class Reader:
-    """Every engine read of a receiver: a bounded queue, ``in_flight`` batches at once on worker
-    threads (the engine releases the GIL), results back on the event loop."""
-
-    engine: ReadEngine
-    batch_entries: int
-    in_flight: int
-    staging_row_bytes: int
-    running: int = 0
-    queue: deque[_Job] = field(default_factory=deque)
-    pending: dict[int, int] = field(default_factory=dict)  # room token -> batches queued or running
-    waiters: dict[int, list[Callable[[], None]]] = field(default_factory=dict)
-    staging: np.ndarray = field(init=False)
-    free_rows: list[int] = field(init=False)
-    executor: ThreadPoolExecutor = field(init=False)
-    pipelined: bool = field(init=False)
-    waiter: ThreadPoolExecutor | None = field(init=False)
-    reads: int = 0  # batches the engine ran
-    failed: int = 0  # of those, the ones it failed
-
-    def __post_init__(self) -> None:
-        # an engine that can start a batch and wait for it apart (Mooncake TE) gets one thread
-        # that starts batches and one that waits for the oldest: the engine's wait polls without
-        # sleeping, so one waiting thread, not one per batch in flight, spins on the two cores
-        self.pipelined = callable(getattr(self.engine, "start", None)) and callable(getattr(self.engine, "wait", None))
-        self.executor = ThreadPoolExecutor(1 if self.pipelined else self.in_flight, thread_name_prefix="mooncake-read")
-        self.waiter = ThreadPoolExecutor(1, thread_name_prefix="mooncake-wait") if self.pipelined else None
-        self.staging = np.zeros((STAGING_ROWS, max(self.staging_row_bytes, 8)), np.uint8)
-        self.engine.register([self.staging])
-        self.free_rows = list(range(STAGING_ROWS))
-
-    def submit(self, job: _Job) -> None:
-        self.pending[job.tok] = self.pending.get(job.tok, 0) + 1
-        self.queue.append(job)
-        self._pump()
-
-    def busy(self, tok: int) -> bool:
-        return tok in self.pending
-
-    def after(self, tok: int, fn: Callable[[], None]) -> None:
-        """``fn()`` once the room's reads have settled (now, when none is queued or running)."""
-        if tok in self.pending:
-            self.waiters.setdefault(tok, []).append(fn)
-        else:
-            fn()
-
-    async def settled(self, tok: int) -> None:
-        """Until the room's reads have settled (read, failed, or dropped unread)."""
-        if tok in self.pending:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.after(tok, partial(_settle_future, fut))
-            await fut
-
-    def _pump(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self.running < self.in_flight and self.queue:
-            batch = self._take()
-            if not batch:
-                return  # a staging row comes back when a running aux read finishes
-            local: list[int] = []
-            remote: list[int] = []
-            lens: list[int] = []
-            for job, _ in batch:
-                local += job.local
-                remote += job.remote
-                lens += job.lens
-            self.running += 1
-            if self.pipelined:
-                self.executor.submit(self._start, loop, batch, local, remote, lens)
-                continue
-            fut = self.executor.submit(self.engine.read, batch[0][0].session, local, remote, lens)
-            fut.add_done_callback(partial(_back_on_loop, loop, self._finished, batch))
-
-    def _start(self, loop: asyncio.AbstractEventLoop, batch: list[tuple[_Job, int]], local: list[int],
-               remote: list[int], lens: list[int]) -> None:
-        """(The starting thread.) Submit the batch, then queue the wait for it behind the waits
-        for the batches started before it."""
-        assert self.waiter is not None
-        engine: Any = self.engine
-        try:
-            bid = int(engine.start(batch[0][0].session, local, remote, lens))
-        except Exception as exc:  # the binding raised: the wait reports it as the engine's failure
-            log.error("engine read from %s could not start: %r", batch[0][0].session, exc)
-            bid = 0
-        fut = self.waiter.submit(engine.wait, bid)
-        fut.add_done_callback(partial(_back_on_loop, loop, self._finished, batch))
-
-    def _take(self) -> list[tuple[_Job, int]]:
-        """The next engine batch: queued jobs of one session, in order, as many as fit in
-        ``batch_entries`` (small rooms' runs share a batch); a job of a room that ended is
-        dropped unread on the way (the barrier); an aux job takes a staging row."""
-        batch: list[tuple[_Job, int]] = []
-        entries = 0
-        while self.queue:
-            job = self.queue[0]
-            if not job.alive():  # the barrier: no new read for a room that ended
-                self.queue.popleft()
-                job.done(None, -1)
-                self._settle(job.tok)
-                continue
-            if batch and (job.session != batch[0][0].session or entries + len(job.lens) > self.batch_entries):
-                break
-            row = -1
-            if job.staging:
-                if not self.free_rows:
-                    break
-                row = self.free_rows.pop()
-                job.local = [int(self.staging[row].ctypes.data)]
-            self.queue.popleft()
-            batch.append((job, row))
-            entries += len(job.lens)
-        return batch
-
-    def _finished(self, batch: list[tuple[_Job, int]], fut: Future[int]) -> None:
-        self.running -= 1
-        self.reads += 1
-        try:
-            rc = fut.result()
-        except Exception as exc:  # the binding raised: report it as the engine's failure
-            log.error("engine read from %s raised %r", batch[0][0].session, exc)
-            rc = -1
-        if rc != 0:
-            self.failed += 1
-        try:
-            for job, row in batch:  # one engine batch: one outcome for every job in it
-                try:
-                    job.done(rc, row)
-                finally:
-                    if row >= 0:
-                        self.free_rows.append(row)
-                    self._settle(job.tok)
-        finally:
-            self._pump()
-
-    def _settle(self, tok: int) -> None:
-        left = self.pending[tok] - 1
-        if left:
-            self.pending[tok] = left
-            return
-        del self.pending[tok]
-        for fn in self.waiters.pop(tok, ()):
-            fn()
-
-    def drop_queued(self) -> None:
-        """The receiver stops: no read starts any more (on the loop)."""
-        while self.queue:
-            job = self.queue.popleft()
-            job.done(None, -1)
-            self._settle(job.tok)
-
-    def close(self) -> None:
-        """Wait for the reads in flight (they write into the pool), then release the engine's
-        memory (blocking: in a worker thread, after :meth:`drop_queued`)."""
-        self.executor.shutdown(wait=True)  # every batch started has queued its wait by then
-        if self.waiter is not None:
-            self.waiter.shutdown(wait=True)
-        self.engine.close()
-
-
-def _settle_future(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _back_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[list[tuple[_Job, int]], Future[int]], None],
-                  batch: list[tuple[_Job, int]], fut: Future[int]) -> None:
-    loop.call_soon_threadsafe(fn, batch, fut)
-
-
-def _live(room: DecodeRoom) -> bool:
-    return not room.status.state.terminal
-
-
-@dataclass(slots=True, eq=False)
-class _Refs:
-    """What ``source`` checked: the room, the peer and the source rows of one message."""
-
-    room: DecodeRoom
-    peer: Peer
-    rows: np.ndarray
-
-
 class _Staged:
     """The aux row, read into a staging row: it continues as a ZeroMQ payload would (the
     room's checks again, the guard, the claim, one copy), counted as the reading plane's."""
@@ -403,20 +178,20 @@ class MooncakeReceiver:
         self.staged = _Staged(row_bytes, self.name)
 
     def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: DataRef | DataRefs, payload: Any,
-               now: float) -> _Refs | None:
+               now: float) -> Refs | None:
         src_rows = ref_rows(core, room, peer, msg, payload, self.n_rows[msg.buffer], now)
         if src_rows is None:
             return None
         if msg.kind == Kind.AUX:  # its guard is read first: into a staging row, then on as a payload
             self._stage(room, peer, msg, src_rows)
             return None
-        return _Refs(room, peer, src_rows)
+        return Refs(room, peer, src_rows)
 
     def first_row(self, msg: Any, src: Any) -> Any:
         raise AssertionError("the aux row of an engine plane is staged, never read in place")
 
     def write(self, msg: DataRef | DataRefs, dst: np.ndarray, first: int, rows: np.ndarray | None,
-              src: _Refs) -> bool:
+              src: Refs) -> bool:
         """Queue the engine reads of the claimed rows; they land later (False)."""
         rb = self.row_bytes[msg.buffer]
         dst_rows = np.arange(first, first + msg.count, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
@@ -433,24 +208,13 @@ class MooncakeReceiver:
         for i in range(0, len(lens), step):
             self.sink.core.stream_read(room, rank, +1)
             part = lens[i:i + step]
-            self.reader.submit(_Job(room.tok, self.session, local[i:i + step], remote[i:i + step], part,
-                                    partial(_live, room),
+            self.reader.submit(Job(room.tok, self.session, local[i:i + step], remote[i:i + step], part,
+                                    partial(live, room),
                                     self._landed_fn(room, src.peer, msg.buffer, sum(part))))
         return False
 
     def _landed_fn(self, room: DecodeRoom, peer: Peer, buffer: int, nbytes: int) -> Callable[[int | None, int], None]:
-        def landed(rc: int | None, row: int) -> None:
-            core = self.sink.core
-            core.stream_read(room, peer.rank, -1)
-            if rc is None or room.status.state.terminal:
-                return  # dropped unread, or the room ended meanwhile: nothing more of it counts
-            now = time.monotonic()
-            if rc == 0:
-                self.sink.landed(room, self.name, buffer, nbytes, now)
-            else:
-                self._failed(room, peer, rc, nbytes, now)
-            self.sink.flush()
-        return landed
+        return partial(read_ended, self.sink, room, peer, self.name, buffer, nbytes, failed=self._failed)
 
     def _failed(self, room: DecodeRoom, peer: Peer, rc: int, nbytes: int, now: float) -> None:
         self.sink.core.reject(room, peer, FailureCode.TRANSPORT_ERROR, self._failure(rc, nbytes), now)
@@ -480,8 +244,8 @@ class MooncakeReceiver:
             else:
                 self._failed(room, peer, rc, rb, now)
             self.sink.flush()
-        self.reader.submit(_Job(room.tok, self.session, [], [self.addrs[msg.buffer] + int(src_rows[0]) * rb], [rb],
-                                partial(_live, room), staged, staging=True))
+        self.reader.submit(Job(room.tok, self.session, [], [self.addrs[msg.buffer] + int(src_rows[0]) * rb], [rb],
+                                partial(live, room), staged, staging=True))
 
     def close(self) -> None:
         pass  # the reader and the engine belong to the receiver; the peer's reads settle there

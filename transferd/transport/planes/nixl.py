@@ -41,7 +41,8 @@ import numpy as np
 from ...config import NIXL_MODULES
 from ...errors import ConfigError, TransferdError
 from ...types import PlaneName
-from .mooncake import MooncakeReceiver, MooncakeSender, Reader, ReadSink
+from .mooncake import MooncakeReceiver, MooncakeSender
+from .reads import Reader, ReadSink
 
 log = logging.getLogger(__name__)
 
