@@ -36,16 +36,14 @@ STAGING_ROWS = 64  # aux rows read at once (each into a registered staging row)
 
 
 class ReadEngine(Protocol):
-    """What :class:`Reader` needs of an engine (Mooncake TE, NIXL in ``nixl.py``, the same-host
-    plane's ``preadv`` in ``same_host.py``)."""
+    """What :class:`Reader` needs of an engine (Mooncake TE in ``mooncake.py``, NIXL in
+    ``nixl.py``, the same-host plane's :class:`~.same_host.SameHostEngine`)."""
 
     def register(self, buffers: Sequence[np.ndarray]) -> tuple[int, ...]: ...
 
     def read(self, session: str, local: list[int], remote: list[int], lens: list[int]) -> int: ...
 
     def close(self) -> None: ...
-
-
 
 
 class ReadSink(Protocol):
