@@ -31,7 +31,7 @@ def test_cut_covers_every_byte_once_in_order_within_the_limit(lengths: list[int]
         entries.append((addr, off, n))
         addr += n + 3  # runs apart on both sides
         off += 2 * n
-    jobs = cut(entries, limit)
+    jobs = cut([a for a, _, _ in entries], [o for _, o, _ in entries], [n for _, _, n in entries], limit)
     want = [(a + i, o + i) for a, o, n in entries for i in range(n)]
     got = [(a + i, o + i) for local, remote, lens in jobs for a, o, n in zip(local, remote, lens) for i in range(n)]
     assert got == want  # every byte once, in order, address and offset in step

@@ -189,7 +189,8 @@ class Limits:
         f = PoolFile(fd, map_read_only(fd, end), end)
         engine = SameHostEngine()
         engine.files["limits"] = f
-        jobs = cut([(addr + i * size, base + i * size, size) for i in range(n)], SameHostReceiver.JOB_BYTES)
+        jobs = cut([addr + i * size for i in range(n)], [base + i * size for i in range(n)], [size] * n,
+                   SameHostReceiver.JOB_BYTES)
         try:
             with ThreadPoolExecutor(2, thread_name_prefix="bench-vm-read") as ex:
                 t0 = time.perf_counter()

@@ -41,9 +41,8 @@ import numpy as np
 from ...errors import ConfigError, FailureCode, TransferdError
 from ...protocol.messages import DataRef, DataRefs
 from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
-from ...protocol.room import runs
 from ...types import Kind, PlaneName
-from .reads import Job, Reader, ReadSink, Refs, live, read_ended
+from .reads import Job, Reader, ReadSink, Refs, live, read_ended, run_entries
 from .same_host import SameHostSender, ref_rows
 
 log = logging.getLogger(__name__)
@@ -193,16 +192,8 @@ class MooncakeReceiver:
     def write(self, msg: DataRef | DataRefs, dst: np.ndarray, first: int, rows: np.ndarray | None,
               src: Refs) -> bool:
         """Queue the engine reads of the claimed rows; they land later (False)."""
-        rb = self.row_bytes[msg.buffer]
-        dst_rows = np.arange(first, first + msg.count, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
-        local_base, remote_base = int(dst.ctypes.data), self.addrs[msg.buffer]
-        local: list[int] = []
-        remote: list[int] = []
-        lens: list[int] = []
-        for a, e in runs(src.rows, dst_rows):  # runs consecutive on both sides: one entry each
-            local.append(local_base + int(dst_rows[a]) * rb)
-            remote.append(remote_base + int(src.rows[a]) * rb)
-            lens.append((e - a) * rb)
+        local, remote, lens = run_entries(dst, first, rows, msg.count, src.rows, self.row_bytes[msg.buffer],
+                                          self.addrs[msg.buffer])
         room, rank = src.room, src.peer.rank
         step = self.reader.batch_entries
         for i in range(0, len(lens), step):

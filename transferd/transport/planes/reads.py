@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
+from ...protocol.room import runs
 from ...types import PlaneName
 
 log = logging.getLogger(__name__)
@@ -260,6 +261,24 @@ class Refs:
     room: DecodeRoom
     peer: Peer
     rows: np.ndarray
+
+
+def run_entries(dst: np.ndarray, first: int, rows: np.ndarray | None, count: int, src_rows: np.ndarray,
+                row_bytes: int, remote_base: int) -> tuple[list[int], list[int], list[int]]:
+    """The reads of one claimed message, one entry per run of rows consecutive on both sides:
+    destination addresses in ``dst`` (at ``first`` onward, or at ``rows``), source positions
+    ``remote_base + src_row × row_bytes`` (an address in the peer's registered memory, or an
+    offset in its pool file), and lengths."""
+    dst_rows = np.arange(first, first + count, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    local_base = int(dst.ctypes.data)
+    local: list[int] = []
+    remote: list[int] = []
+    lens: list[int] = []
+    for a, e in runs(src_rows, dst_rows):
+        local.append(local_base + int(dst_rows[a]) * row_bytes)
+        remote.append(remote_base + int(src_rows[a]) * row_bytes)
+        lens.append((e - a) * row_bytes)
+    return local, remote, lens
 
 
 def read_ended(sink: ReadSink, room: DecodeRoom, peer: Peer, how: PlaneName, buffer: int, nbytes: int,

@@ -38,9 +38,8 @@ from ...pool import Pool
 from ...pool.shm import pool_path
 from ...protocol.messages import DataRef, DataRefs, encode
 from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
-from ...protocol.room import runs
 from ...types import KIND_LABELS, Kind, PlaneName
-from .reads import Job, Reader, ReadSink, Refs, live, read_ended
+from .reads import Job, Reader, ReadSink, Refs, live, read_ended, run_entries
 from .sending import RoomTx
 from .zmq import ZmqSender
 
@@ -225,16 +224,18 @@ def pread_into(fd: int, local: list[int], remote: list[int], lens: list[int]) ->
     return 0
 
 
-def cut(entries: list[tuple[int, int, int]], limit: int) -> list[tuple[list[int], list[int], list[int]]]:
-    """``(address, offset, length)`` runs in order, cut into jobs of at most ``limit`` bytes (a run
-    longer than that is split across jobs, its address and offset moved in step): each job as
-    ``(addresses, offsets, lengths)``. Every byte of every run is in exactly one job, in order."""
+def cut(addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
+        limit: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """Runs in order (``addrs[i]``, ``offsets[i]``, ``lengths[i]``), cut into jobs of at most
+    ``limit`` bytes (a run longer than that is split across jobs, its address and offset moved in
+    step): each job as ``(addresses, offsets, lengths)``. Every byte of every run is in exactly one
+    job, in order."""
     jobs: list[tuple[list[int], list[int], list[int]]] = []
     local: list[int] = []
     remote: list[int] = []
     lens: list[int] = []
     room = limit
-    for address, offset, length in entries:
+    for address, offset, length in zip(addrs, offsets, lengths):
         addr, off, n = address, offset, length
         while n > 0:
             take = min(n, room)
@@ -269,13 +270,14 @@ class SameHostReceiver:
         # the pool was attached to check its id and layout; from here on only its file is read
         self.pool_name = pool.name
         self.path = pool_path(pool.name)
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        st = os.fstat(self.fd)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(fd)
         self.ino = (st.st_dev, st.st_ino)
         self.offsets = list(pool.offsets)
         self.row_bytes = [b.row_bytes for b in pool.layout.buffers]
         self.rows = [b.rows for b in pool.layout.buffers]
-        self.end = max((o + b.nbytes for o, b in zip(pool.offsets, pool.layout.buffers)), default=0)
+        end = max((o + b.nbytes for o, b in zip(pool.offsets, pool.layout.buffers)), default=0)
+        self.file = PoolFile(fd, map_read_only(fd, end), end)  # the descriptor, the mapping, the layout's end
         self.broken = ""  # why the file can no longer be read (a short read seen): every later message is refused
         pool.close()
         self.reader = reader
@@ -284,7 +286,6 @@ class SameHostReceiver:
         assert isinstance(engine, SameHostEngine)
         self.engine = engine
         self.session = f"{self.pool_name}#{next(_sessions)}"
-        self.file = PoolFile(self.fd, map_read_only(self.fd, self.end), self.end)
         engine.files[self.session] = self.file
         self.jobs = 0  # queued or running on the reader: the file stays open until they are done
         self.closing = False
@@ -294,12 +295,12 @@ class SameHostReceiver:
         if self.broken:
             return self.broken
         try:
-            st = os.fstat(self.fd)
+            st = os.fstat(self.file.fd)
         except OSError as exc:
             return f"the sender's pool {self.pool_name!r} cannot be read: {exc.strerror}"
-        if st.st_size < self.end:
+        if st.st_size < self.file.length:
             return (f"the sender's pool {self.pool_name!r} shrank to {st.st_size} bytes after registration "
-                    f"(its layout needs {self.end})")
+                    f"(its layout needs {self.file.length})")
         try:
             now = os.stat(self.path)
         except FileNotFoundError:
@@ -323,33 +324,31 @@ class SameHostReceiver:
 
     def first_row(self, msg: DataRef | DataRefs, src: Refs) -> Any:
         n = self.row_bytes[msg.buffer]
-        data = os.pread(self.fd, n, self.offsets[msg.buffer] + int(src.rows[0]) * n)
+        data = os.pread(self.file.fd, n, self.offsets[msg.buffer] + int(src.rows[0]) * n)
         if len(data) != n:
-            self.broken = f"the sender's pool {self.pool_name!r} shrank under a read (got {len(data)} of {n} bytes)"
+            self.broken = self._short(-1, n)
             return b"\0" * n  # the aux guard then fails this room; the next message sees `broken`
         return data
 
     def write(self, msg: DataRef | DataRefs, dst: np.ndarray, first: int, rows: np.ndarray | None,
               src: Refs) -> bool:
-        dst_rows = np.arange(first, first + msg.count) if rows is None else rows
-        rb, base = self.row_bytes[msg.buffer], self.offsets[msg.buffer]
-        addr0, src_rows = int(dst.ctypes.data), src.rows
-        entries = [(addr0 + int(dst_rows[a]) * rb, base + int(src_rows[a]) * rb, (b - a) * rb)
-                   for a, b in runs(src_rows, dst_rows)]
+        rb = self.row_bytes[msg.buffer]
+        entries = run_entries(dst, first, rows, msg.count, src.rows, rb, self.offsets[msg.buffer])
         if msg.count * rb < self.THREAD_MIN_BYTES or msg.kind == Kind.AUX:
-            local, remote, lens = (list(c) for c in zip(*entries))
-            rc = pread_into(self.fd, local, remote, lens)
+            local, remote, lens = entries
+            rc = pread_into(self.file.fd, local, remote, lens)
             if rc != 0:  # the file shrank between the check and the read: these rows never land
                 self._failed(src.room, src.peer, rc, sum(lens), time.monotonic())
                 return False
             return True
         room, peer = src.room, src.peer
         core = self.sink.core
-        for local, remote, lens in cut(entries, self.JOB_BYTES):
+        for local, remote, lens in cut(*entries, self.JOB_BYTES):
             core.stream_read(room, peer.rank, +1)
             self.jobs += 1
+            nbytes = sum(lens)
             self.reader.submit(Job(room.tok, self.session, local, remote, lens, partial(live, room),
-                                   self._landed_fn(room, peer, msg.buffer, sum(lens)), nbytes=sum(lens)))
+                                   self._landed_fn(room, peer, msg.buffer, nbytes), nbytes=nbytes))
         return False
 
     def _short(self, rc: int, nbytes: int) -> str:
@@ -377,8 +376,9 @@ class SameHostReceiver:
     def _close_file(self) -> None:
         # a closed descriptor's number is reused by the kernel: it leaves the engine first, and
         # only once no job of this plane is queued or running
-        if self.fd >= 0:
+        f = self.file
+        if f.fd >= 0:
             self.engine.files.pop(self.session, None)
-            unmap(self.file.base, self.file.length)
-            os.close(self.fd)
-            self.fd = -1
+            unmap(f.base, f.length)
+            os.close(f.fd)
+            f.fd, f.base = -1, 0
