@@ -144,6 +144,9 @@ class SenderConfig:
     assign_timeout_s: float = 300.0
     checksum: str = "none"
     same_host: AutoOff = AutoOff.AUTO  # offer this pool to a receiver on the same host ("auto") or never ("off")
+    # create the pool as a memfd sealed against shrinking: a same-host receiver may then copy out of a
+    # mapping of it (attachers must share this pid namespace; not re-attached after a restart)
+    sealed_pool: bool = False
     shm_message_bytes: int = 16 << 20  # rows per data-refs message on the same-host path
     zero_copy: ZeroCopy = ZeroCopy.DIRECT  # "direct": rows handed to libzmq with no reference kept; "pyzmq": pyzmq frames
     data_stream: AutoOff = AutoOff.AUTO  # send data on the receiver's data stream when it offers one ("auto") or never ("off")
@@ -261,6 +264,9 @@ class Config:
         for key in ("max_message_bytes", "stream_record_bytes"):
             if getattr(s, key) < 4096:
                 raise ConfigError(f"sender.{key} must be >= 4096, not {getattr(s, key)}")
+        if s.sealed_pool and not s.create_pool:
+            raise ConfigError("sender.sealed_pool = true needs sender.create_pool = true: only the pool's creator "
+                              "can seal it (an engine that creates the pool passes sealed=True itself)")
         if not s.receivers:
             raise ConfigError("sender.receivers is empty: name at least one receiver endpoint")
         for what, name in (("sender.group", s.group), ("receiver.name", self.receiver.name)):

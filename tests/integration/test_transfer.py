@@ -270,6 +270,59 @@ def test_a_pool_truncated_under_threaded_reads_fails_its_rooms_and_not_the_recei
     assert mismatches(r, dpool, spools2, "pages", before) == 0
 
 
+@pytest.mark.parametrize("model", [MODEL, BIG_ROWS], ids=["small-rows-on-the-loop", "big-rows-on-threads"])
+def test_sealed_pools_are_copied_out_of_a_mapping_byte_exact_and_cannot_be_shrunk(cluster: Cluster,
+                                                                                 model: dict) -> None:
+    """Senders with ``sealed_pool``: their pools are memfds sealed against shrinking, and the
+    receiver, seeing the seal on its own descriptor, copies rows out of its mapping in user
+    space (small messages and the aux row on the loop, large ones on its threads). Every byte
+    lands; the sender cannot shrink its pool; a hole it punches reads as zeros in the next room
+    and the receiver carries on."""
+    import ctypes
+
+    from transferd.pool.shm import pool_path
+
+    big = model is BIG_ROWS
+    ep, dc, dpool = cluster.receiver(model=model, kv_pages=200)
+    pcs, spools = cluster.group("prefill0", 2, [ep], same_host="auto", sealed_pool=True, model=model, kv_pages=128)
+    assert all(p.sealed for p in spools)
+    for i, p in enumerate(spools):
+        fill_random(p, 60 + i)
+    fill_random(dpool, 61)
+    before = [rows.copy() for rows in dpool.rows]
+    n = 80 if big else 12
+    r = make_room(140, "prefill0", n, 2, prefix=3, chunks=[(0, n // 2), (n // 2, n)], spools=spools)
+    expect(dc, r)
+    submit_all(pcs, r)
+    assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
+    assert mismatches(r, dpool, spools, "pages", before) == 0
+    rx = dc.stats()
+    assert rx["shm_bytes"] == sum(rx["bytes"].values()) > 0
+    assert rx["same_host_reads"]["sealed_pools"] == 2 and rx["same_host_reads"]["failed"] == 0
+    dc.release(r.room, r.group)
+    path = pool_path(spools[0].name)
+    with pytest.raises(PermissionError):
+        os.truncate(path, 4096)  # the seal holds against the pool's own creator's kin
+    # a hole over rank 0's whole KV range: its rows of the next room read as zeros
+    fd = os.open(path, os.O_RDWR)
+    try:
+        falloc = ctypes.CDLL(None, use_errno=True).fallocate
+        falloc.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        kv0 = spools[0].layout.indices("kv")[0]
+        start = spools[0].offsets[kv0]
+        assert falloc(fd, 0x03, start, spools[0].layout.buffers[kv0].nbytes) == 0  # KEEP_SIZE | PUNCH_HOLE
+    finally:
+        os.close(fd)
+    assert not spools[0].rows[kv0].any()
+    before = [rows.copy() for rows in dpool.rows]
+    r2 = make_room(141, "prefill0", n, 2, chunks=[(0, n)], dst_start=100, slot=6, spools=spools)
+    expect(dc, r2)
+    submit_all(pcs, r2)
+    assert dc.wait(r2.room, r2.group, 20).state is RoomState.SUCCESS
+    assert mismatches(r2, dpool, spools, "pages", before) == 0  # against what the pools hold now
+    assert dc.ping()
+
+
 def test_same_host_path_can_be_turned_off_on_the_receiver(cluster: Cluster) -> None:
     ep, dc, dpool = cluster.receiver(same_host="off")
     pcs, spools = cluster.group("prefill0", 1, [ep], same_host="auto")

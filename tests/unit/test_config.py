@@ -183,6 +183,7 @@ def test_coercions() -> None:
         ({"receiver": {"nixl_reads_in_flight": 65}}, "receiver.nixl_reads_in_flight must lie in"),
         ({"receiver": {"same_host_read_threads": 0}}, r"receiver.same_host_read_threads must lie in \[1, 64\], not 0"),
         ({"receiver": {"same_host_read_threads": 65}}, "receiver.same_host_read_threads must lie in"),
+        ({"sender": {"sealed_pool": True, "create_pool": False}}, "sender.sealed_pool = true needs sender.create_pool"),
         ({"receiver": {"nixl_read_timeout_s": 0}}, "receiver.nixl_read_timeout_s"),
         ({"sender": {"data_plane": "nixl", "curve_secret_key": "k", "curve_server_key": "s"}}, "unencrypted"),
         ({"sender": {"mooncake_protocol": "efa"}}, "sender.mooncake_protocol must be one of tcp, rdma"),

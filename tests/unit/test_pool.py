@@ -414,3 +414,139 @@ def test_require_torch_skips_locally_and_fails_under_ci(
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception):
         torch_loader()
+
+
+# -- sealed pools (a memfd that cannot shrink, named by a link) ----------------------------
+
+def _env(shm: Path) -> dict[str, str]:
+    return {**os.environ, "TRANSFERD_SHM_DIR": str(shm),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def test_a_sealed_pool_is_a_memfd_that_cannot_shrink_named_by_a_link(shm: Path) -> None:
+    import fcntl
+
+    from transferd.pool.shm import is_sealed
+
+    p = Pool.create("sealed", LAYOUT, sealed=True)
+    try:
+        path = pool_path("sealed")
+        assert p.sealed and path.is_symlink()
+        assert os.readlink(path).startswith(f"/proc/{os.getpid()}/fd/")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            assert is_sealed(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            assert seals & fcntl.F_SEAL_SEAL  # no one can change the seals any more
+            size = os.fstat(fd).st_size
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size - 4096)  # what a hostile peer would do to its own pool
+            with pytest.raises(PermissionError):
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            assert os.fstat(fd).st_size == size
+        finally:
+            os.close(fd)
+        written = _fill(p, 9)
+        q = Pool.attach("sealed")  # by name, as an engine or a same-host receiver attaches
+        try:
+            assert q.sealed and q.pool_id == p.pool_id and q.layout == LAYOUT
+            assert [r.tobytes() for r in q.rows] == written
+        finally:
+            q.close()
+    finally:
+        p.unlink()
+        p.close()
+    assert not path.is_symlink()
+
+
+def test_a_plain_pool_is_not_sealed(pool: Pool) -> None:
+    from transferd.pool.shm import is_sealed
+
+    assert not pool.sealed and not Pool.attach("p0").sealed
+    fd = os.open(pool_path("p0"), os.O_RDONLY)
+    try:
+        assert not is_sealed(fd)  # a tmpfs file can never be sealed
+    finally:
+        os.close(fd)
+
+
+def test_another_process_attaches_a_sealed_pool_by_name_and_shares_its_bytes(shm: Path) -> None:
+    p = Pool.create("sealed", LAYOUT, sealed=True)
+    try:
+        written = _fill(p, 3)
+        script = textwrap.dedent(
+            """
+            import hashlib
+            from transferd.pool import Pool
+            p = Pool.attach("sealed")
+            print(int(p.sealed), *[hashlib.sha256(r.tobytes()).hexdigest() for r in p.rows])
+            p.rows[0][:] = 0x3C
+            p.close()
+            """
+        )
+        res = subprocess.run([sys.executable, "-c", script], env=_env(shm), capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0, res.stderr
+        import hashlib
+
+        assert res.stdout.split() == ["1"] + [hashlib.sha256(w).hexdigest() for w in written]
+        assert (p.rows[0] == 0x3C).all() and p.rows[1].tobytes() == written[1]
+    finally:
+        p.unlink()
+        p.close()
+
+
+def test_a_sealed_pool_of_a_process_that_is_gone_is_replaced_loudly(shm: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    script = textwrap.dedent(
+        """
+        from transferd.pool import Pool
+        from tests.unit.test_pool import LAYOUT
+        p = Pool.create("gone", LAYOUT, sealed=True)
+        print(p.pool_id)
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", script], env=_env(shm), capture_output=True, text=True,
+                         timeout=60, cwd=REPO_ROOT)
+    assert res.returncode == 0, res.stderr
+    old_id = int(res.stdout)
+    path = pool_path("gone")
+    assert path.is_symlink() and not path.exists()  # its creator exited without unlinking: a stale link
+    with pytest.raises(PoolError, match="does not exist"):
+        Pool.attach("gone")
+    with caplog.at_level("WARNING", logger="transferd.pool.shm"):
+        p, owned = Pool.open("gone", LAYOUT, create=True, sealed=True)
+    try:
+        assert owned and p.sealed and p.pool_id != old_id
+        assert "belonged to a process that is gone" in caplog.text and "must attach again" in caplog.text
+        assert Pool.attach("gone").pool_id == p.pool_id
+    finally:
+        p.unlink()
+        p.close()
+
+
+def test_attach_refuses_a_name_that_links_to_something_other_than_a_file(shm: Path) -> None:
+    r, w = os.pipe()
+    try:
+        os.symlink(f"/proc/{os.getpid()}/fd/{r}", pool_path("pipe"))  # a stale link whose fd number was reused
+        with pytest.raises(PoolError, match="not a regular file"):
+            Pool.attach("pipe")  # and it returns at once: a pipe is never waited on
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_sealed_pool_created_twice_fails_and_close_releases_the_descriptor(shm: Path) -> None:
+    p = Pool.create("twice", LAYOUT, sealed=True)
+    try:
+        fd = p._fd
+        assert fd >= 0 and os.fstat(fd)
+        with pytest.raises(PoolError, match="already exists"):
+            Pool.create("twice", LAYOUT, sealed=True)
+        q = Pool.create("twice", LAYOUT, exist_ok=True, sealed=True)  # a restart while it lives: attach
+        assert q.pool_id == p.pool_id and not q._owner
+        q.close()
+    finally:
+        p.unlink()
+        p.close()
+    assert p._fd == -1  # closed once (a second close would hit whatever reuses the number)

@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 
 from transferd.transport.planes.same_host import (
     IOV_MAX,
+    MAP_COPY_RUNS,
     PoolFile,
     SameHostEngine,
     cut,
+    map_copy,
     map_read_only,
     unmap,
 )
@@ -112,3 +114,77 @@ def test_engine_refuses_an_unknown_session_and_a_bad_descriptor(pool_file: tuple
     assert eng.read("nope", [int(dst.ctypes.data)], [0], [4096]) == -2
     eng.files["s"] = PoolFile(-1)
     assert eng.read("s", [int(dst.ctypes.data)], [0], [4096]) == -2  # EBADF
+
+
+@pytest.fixture
+def sealed_file() -> Iterator[tuple[int, np.ndarray]]:
+    import fcntl
+
+    data = np.random.default_rng(8).integers(0, 256, 4 << 20, dtype=np.uint8)
+    fd = os.memfd_create("transferd-test-sealed", os.MFD_ALLOW_SEALING)
+    os.write(fd, data.tobytes())
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    yield fd, data
+    os.close(fd)
+
+
+@pytest.mark.parametrize("runs", [8, MAP_COPY_RUNS + 1, IOV_MAX + 5],
+                         ids=["memmove", "process_vm_readv", "process_vm_readv-two-calls"])
+def test_a_sealed_file_is_read_byte_exact_by_memmove_or_one_system_call(sealed_file: tuple[int, np.ndarray],
+                                                                         runs: int) -> None:
+    """A job of few runs out of a sealed file is copied in user space out of the mapping; one of
+    many short runs takes process_vm_readv; both land every byte."""
+    fd, data = sealed_file
+    f = PoolFile(fd, map_read_only(fd, len(data)), len(data), sealed=True)
+    eng = SameHostEngine()
+    eng.files["s"] = f
+    try:
+        rb = len(data) // 2048 if runs <= MAP_COPY_RUNS else 1024
+        rng = np.random.default_rng(runs)
+        src = rng.permutation(len(data) // rb)[:runs]
+        dst = np.zeros(runs * rb, np.uint8)
+        order = rng.permutation(runs)
+        assert eng.read("s", [int(dst.ctypes.data) + int(i) * rb for i in order], [int(s) * rb for s in src],
+                        [rb] * runs) == 0
+        want = np.zeros_like(dst)
+        for i, s in zip(order, src):
+            want[i * rb:(i + 1) * rb] = data[s * rb:(s + 1) * rb]
+        assert np.array_equal(dst, want)
+    finally:
+        unmap(f.base, f.length)
+
+
+def test_map_copy_refuses_a_run_past_the_layout_end_and_copies_nothing_of_it(sealed_file: tuple[int, np.ndarray]) -> None:
+    fd, data = sealed_file
+    f = PoolFile(fd, map_read_only(fd, len(data)), len(data), sealed=True)
+    try:
+        dst = np.zeros(8192, np.uint8)
+        assert map_copy(f, [int(dst.ctypes.data)], [len(data) - 4096], [8192]) == -1
+        assert map_copy(f, [int(dst.ctypes.data)], [-4096], [4096]) == -1
+        assert not dst.any()
+        assert map_copy(f, [int(dst.ctypes.data)], [len(data) - 8192], [8192]) == 0
+        assert np.array_equal(dst, data[-8192:])
+    finally:
+        unmap(f.base, f.length)
+
+
+def test_holes_punched_in_a_sealed_file_read_as_zeros_never_a_fault(sealed_file: tuple[int, np.ndarray]) -> None:
+    """The seal stops a shrink, not a hole: a peer that punches one makes its rows read as zeros
+    (the kernel fills the hole on the fault), and this process copies on unharmed."""
+    import ctypes
+
+    fd, data = sealed_file
+    libc = ctypes.CDLL(None, use_errno=True)
+    falloc = libc.fallocate
+    falloc.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    f = PoolFile(fd, map_read_only(fd, len(data)), len(data), sealed=True)
+    try:
+        dst = np.full(1 << 20, 0xFF, np.uint8)
+        assert map_copy(f, [int(dst.ctypes.data)], [1 << 20], [1 << 20]) == 0  # the pages are mapped now
+        assert falloc(fd, 0x01 | 0x02, 1 << 20, 1 << 20) == 0  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+        assert map_copy(f, [int(dst.ctypes.data)], [1 << 20], [1 << 20]) == 0
+        assert not dst.any()
+        assert map_copy(f, [int(dst.ctypes.data)], [0], [1 << 20]) == 0
+        assert np.array_equal(dst, data[:1 << 20])
+    finally:
+        unmap(f.base, f.length)

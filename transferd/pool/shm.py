@@ -4,6 +4,14 @@ A pool is one file under ``/dev/shm`` (``transferd-<name>``): a 4 KiB-aligned he
 describes the layout, then every buffer, each aligned to 4 KiB. Any process attaches by name and
 gets numpy views (always) or torch views (when torch is installed) of the same bytes.
 
+A pool may instead be **sealed** (``Pool.create(..., sealed=True)``, ``sender.sealed_pool``): a
+``memfd_create`` file sealed against shrinking (``F_SEAL_SHRINK``, then ``F_SEAL_SEAL``), held
+open by its creator and named under ``/dev/shm`` by a symbolic link to ``/proc/<pid>/fd/<n>``.
+Attaching by name works the same (in the creator's pid namespace); a receiver that sees the seal
+may copy out of its own mapping in user space, since no one can shrink the file under it (docs/
+DATA-PLANES.md). A sealed pool lives while a process holds it, so it is not re-attached after its
+creator restarts.
+
 Header: ``b"TRDPOOL\\0"`` magic, u32 header format version, u32 length of the msgpack layout
 description that follows, u64 data offset, then the msgpack ``PoolLayout.to_wire()`` map and the
 16-hex-digit fingerprint. The file is fully written before it appears under its final name, so an
@@ -12,9 +20,12 @@ attaching process never sees a half-written header.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import re
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -24,6 +35,8 @@ import numpy as np
 
 from ..errors import IndexOutOfRange, LayoutError, PoolError, PoolMismatch
 from ..layout import DTYPES, PoolLayout, layout_difference
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"TRDPOOL\0"
 HEADER_FORMAT = 1
@@ -50,6 +63,15 @@ def host_boot_id() -> str:
         return ""
 
 
+def is_sealed(fd: int) -> bool:
+    """Whether the file behind ``fd`` can never shrink (a memfd sealed with ``F_SEAL_SHRINK``;
+    a plain tmpfs file cannot be sealed)."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:
+        return False
+
+
 def _align(x: int) -> int:
     return (x + ALIGN - 1) // ALIGN * ALIGN
 
@@ -58,8 +80,10 @@ class Pool:
     """A mapped pool. Use :meth:`create` or :meth:`attach`; :meth:`close` unmaps."""
 
     def __init__(self, name: str, layout: PoolLayout, mm: mmap.mmap, offsets: list[int], owner: bool,
-                 pool_id: int = 0) -> None:
+                 pool_id: int = 0, sealed: bool = False, fd: int = -1) -> None:
         self.name = name
+        self.sealed = sealed  # the file cannot shrink (a sealed memfd)
+        self._fd = fd  # a sealed pool's memfd, held by its creator: its name links to it
         self.pool_id = pool_id  # random at creation: tells two pools of the same name apart
         self.layout = layout
         self._mm = mm
@@ -73,10 +97,17 @@ class Pool:
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
-    def create(cls, name: str, layout: PoolLayout, *, exist_ok: bool = False) -> Pool:
+    def create(cls, name: str, layout: PoolLayout, *, exist_ok: bool = False, sealed: bool = False) -> Pool:
         """Create a pool (zero-filled). With ``exist_ok``, attach to an existing pool of a
-        compatible layout and the same row counts instead; anything else is an error."""
+        compatible layout and the same row counts instead; anything else is an error. With
+        ``sealed``, the pool is a memfd sealed against shrinking (the module's docstring)."""
         path = pool_path(name)
+        if path.is_symlink() and not path.exists():
+            # a sealed pool whose creator is gone (it crashed): an engine may still hold the old
+            # memory mapped, and writes there from now on are not this pool's
+            log.warning("pool %r: the sealed pool named at %s belonged to a process that is gone; a new one "
+                        "is created, and engines attached to the old one must attach again", name, path)
+            path.unlink(missing_ok=True)
         if path.exists():
             if not exist_ok:
                 raise PoolError(f"pool {name!r} already exists at {path}")
@@ -98,6 +129,8 @@ class Pool:
             offsets.append(off)
             off = _align(off + b.nbytes)
         total = max(off, ALIGN)
+        if sealed:
+            return cls._create_sealed(name, path, layout, offsets, total, desc, data_off, pool_id)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -116,16 +149,49 @@ class Pool:
         return cls(name, layout, mm, offsets, owner=True, pool_id=pool_id)
 
     @classmethod
+    def _create_sealed(cls, name: str, path: Path, layout: PoolLayout, offsets: list[int], total: int, desc: bytes,
+                       data_off: int, pool_id: int) -> Pool:
+        try:
+            fd = os.memfd_create(f"transferd-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except (AttributeError, OSError) as exc:
+            raise PoolError(f"pool {name!r}: cannot create a sealed pool here (memfd_create: {exc})") from None
+        try:
+            os.ftruncate(fd, total)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm[:_HDR.size] = _HDR.pack(MAGIC, HEADER_FORMAT, len(desc), data_off)
+            mm[_HDR.size:_HDR.size + len(desc)] = desc
+        except OSError as exc:
+            os.close(fd)
+            raise PoolError(f"pool {name!r}: cannot set up a sealed pool: {exc.strerror or exc}") from None
+        try:
+            os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)  # fails if someone else created it meanwhile
+        except FileExistsError:
+            mm.close()
+            os.close(fd)
+            raise PoolError(f"pool {name!r} was created concurrently by another process") from None
+        except OSError as exc:
+            mm.close()
+            os.close(fd)
+            raise PoolError(f"pool {name!r}: cannot name the sealed pool at {path}: {exc.strerror or exc}") from None
+        return cls(name, layout, mm, offsets, owner=True, pool_id=pool_id, sealed=True, fd=fd)
+
+    @classmethod
     def attach(cls, name: str) -> Pool:
         path = pool_path(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            # O_NONBLOCK: a stale link of a sealed pool may name another process's pipe by now
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise PoolError(f"pool {name!r} does not exist (looked for {path})") from None
         except OSError as exc:
             raise PoolError(f"pool {name!r}: cannot open {path}: {exc.strerror or exc}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise PoolError(f"pool {name!r}: {path} is not a regular file")
+            size = st.st_size
+            sealed = is_sealed(fd)
             if size < _HDR.size:
                 raise PoolError(f"pool {name!r}: file of {size} bytes is too small for a header")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -161,15 +227,16 @@ class Pool:
             mm.close()
             raise PoolError(f"pool {name!r}: unreadable header: {exc!r}") from None
         pool_id = desc.get("id", 0) if isinstance(desc.get("id", 0), int) else 0
-        return cls(name, layout, mm, offsets, owner=False, pool_id=pool_id)
+        return cls(name, layout, mm, offsets, owner=False, pool_id=pool_id, sealed=sealed)
 
     @classmethod
-    def open(cls, name: str, layout: PoolLayout, *, create: bool) -> tuple[Pool, bool]:
+    def open(cls, name: str, layout: PoolLayout, *, create: bool, sealed: bool = False) -> tuple[Pool, bool]:
         """A daemon's pool: created (or re-attached after a restart) when ``create``, and then the
         daemon's own (the bool is True: it unlinks it at the end); otherwise attached, and
-        refused unless its layout matches ``layout`` (:class:`PoolMismatch`)."""
+        refused unless its layout matches ``layout`` (:class:`PoolMismatch`). ``sealed``: create
+        it as a sealed memfd."""
         if create:
-            return cls.create(name, layout, exist_ok=True), True
+            return cls.create(name, layout, exist_ok=True, sealed=sealed), True
         pool = cls.attach(name)
         diff = layout_difference(pool.layout, layout, "pool", "config")
         if diff:
@@ -184,6 +251,9 @@ class Pool:
             self._mm.close()
         except BufferError:
             pass  # views still exported (e.g. zero-copy frames in flight); unmapped when released
+        if self._fd >= 0:
+            os.close(self._fd)  # the mapping (and anyone else's) keeps the memory
+            self._fd = -1
 
     def unlink(self) -> None:
         pool_path(self.name).unlink(missing_ok=True)

@@ -531,8 +531,11 @@ class Receiver(AgentBase):
         if shm is not None:  # the same-host plane's jobs read on its threads, and the call they use
             engine = shm.engine
             assert isinstance(engine, SameHostEngine)
+            sealed = sum(1 for _, plane in self.planes.values()
+                         if isinstance(plane, SameHostReceiver) and plane.file.sealed)
             out["same_host_reads"] = {"batches": shm.reads, "failed": shm.failed,
-                                      "copy": "process_vm_readv" if engine.vm else "pread"}
+                                      "copy": "process_vm_readv" if engine.vm else "pread",
+                                      "sealed_pools": sealed}  # peers' pools copied out of a mapping
         return out
 
     def status(self) -> dict[str, Any]:

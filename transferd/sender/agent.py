@@ -105,7 +105,7 @@ class SenderAgent(AgentBase):
         assert self.ctx is not None and self.zctx is not None
         if self.pool is None:
             self.pool, self._own_pool = Pool.open(self.cfg.sender_pool_name(), self.layout,
-                                                  create=self.scfg.create_pool)
+                                                  create=self.scfg.create_pool, sealed=self.scfg.sealed_pool)
             self.layout = self.pool.layout
         if self.scfg.data_plane is DataPlane.MOONCAKE:
             s = self.scfg

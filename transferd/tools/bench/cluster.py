@@ -161,7 +161,9 @@ class Fleet:
                "TRANSFERD_SENDER_DATA_PLANE": "mooncake" if mooncake else "auto",
                "TRANSFERD_SENDER_DEDUP": "true" if dedup else "false",
                "TRANSFERD_SENDER_DATA_STREAM": "auto" if stream else "off",
-               "TRANSFERD_SENDER_SAME_HOST": "auto" if same_host else "off"}  # TCP loopback unless asked
+               "TRANSFERD_SENDER_SAME_HOST": "auto" if same_host else "off",  # TCP loopback unless asked
+               # a same-host group's pools are sealed memfds: its receiver copies out of a mapping
+               "TRANSFERD_SENDER_SEALED_POOL": "true" if same_host else "false"}
         g = Group(name, cp, load(c.cfg_path, env=env))
         for rank in range(cp):
             g.procs.append(self.procs.spawn(

@@ -47,8 +47,10 @@ LIMITS_NOTE = ("memcpy: np.copyto from one shared-memory pool buffer into anothe
 ZMQ_SOCKET_NOTE = ("the same rooms from a sender with data_stream = \"off\": data messages through the ZeroMQ "
                    "socket (the path with CURVE, or with the stream off); the 1MiB figures above went on a "
                    "data stream (stream_share = 1.0)")
-SAME_HOST_NOTE = ("the same rooms from a sender with same_host = \"auto\" into the same receiver: data-refs "
-                  "messages over ZeroMQ, the receiver copying rows out of the sender's pool; shm_share is "
+SAME_HOST_NOTE = ("the same rooms from a sender with same_host = \"auto\" and sealed_pool = true into the same "
+                  "receiver: data-refs messages over ZeroMQ, the receiver copying rows out of its mapping of the "
+                  "sender's sealed pool (limits.pread and limits.vm_read: the kernel's copy out of a plain pool "
+                  "file, the path without the seal); shm_share is "
                   "the part of the bytes the sender counted as moved that way (1.0 = the path was used)")
 CP8_NOTE = ("eight sender daemons (one group, cp_size 8, split \"pages\", each on its data stream) into one "
             "receiver: rooms of 1 MiB rows, a multiple of 8 pages each so every rank sends the same share, the "

@@ -16,6 +16,11 @@ itself (:class:`SameHostEngine`). Either way a file the peer shrinks after regis
 copy come back short instead of raising SIGBUS in the receiver (a copy in user space out of a
 mapping of a truncated file faults on the first touch past its end): what a peer does to its own
 file can fail its rooms, never the daemon or the other groups (docs/FAULTS.md §8).
+
+A **sealed** pool (a memfd sealed against shrinking, :mod:`transferd.pool.shm`) cannot be cut
+short, so there the receiver copies out of its mapping in user space (``memmove``, the GIL
+released for each run), on the loop and on the threads alike; the kernel's seal, checked on the
+receiver's own descriptor, decides, not anything the sender says.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 
 from ...errors import FailureCode
 from ...pool import Pool
-from ...pool.shm import pool_path
+from ...pool.shm import is_sealed, pool_path
 from ...protocol.messages import DataRef, DataRefs, encode
 from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
 from ...types import KIND_LABELS, Kind, PlaneName
@@ -116,6 +121,7 @@ class PoolFile:
     fd: int
     base: int = 0
     length: int = 0
+    sealed: bool = False  # the file cannot shrink: the mapping may be read in user space
 
 
 class SameHostEngine:
@@ -138,6 +144,8 @@ class SameHostEngine:
         f = self.files.get(session)
         if f is None:
             return -2
+        if f.sealed and f.base and len(lens) <= MAP_COPY_RUNS:
+            return map_copy(f, local, remote, lens)
         if self.vm and f.base:
             rc = self._vm_read(f, local, remote, lens)
             if rc == 0:
@@ -174,6 +182,10 @@ class SameHostEngine:
 
 
 IOV_MAX = 1024
+# a job of at most this many runs is copied in user space out of a sealed file's mapping, one
+# GIL-releasing memmove a run; a job of more (short, scattered rows) takes one process_vm_readv:
+# a thread that takes the GIL back after every 64 KiB run waits on the loop (docs/PERFORMANCE.md)
+MAP_COPY_RUNS = 32
 _libc = ctypes.CDLL(None, use_errno=True)
 _pread = _libc.pread
 _pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
@@ -202,6 +214,20 @@ def map_read_only(fd: int, length: int) -> int:
 def unmap(base: int, length: int) -> None:
     if base:
         _munmap(base, length)
+
+
+def map_copy(f: PoolFile, local: Sequence[int], remote: Sequence[int], lens: Sequence[int]) -> int:
+    """Copy runs out of the mapping of a sealed file (it cannot shrink, so no page of the
+    mapping can fault): 0, or -1 when a run lies past the layout's end (never copied)."""
+    base, end = f.base, f.length
+    for dst, off, n in zip(local, remote, lens):
+        if off < 0 or off + n > end:
+            return -1
+        _memmove(dst, base + off, n)
+    return 0
+
+
+_memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
 
 def pread_into(fd: int, local: list[int], remote: list[int], lens: list[int]) -> int:
@@ -270,14 +296,16 @@ class SameHostReceiver:
         # the pool was attached to check its id and layout; from here on only its file is read
         self.pool_name = pool.name
         self.path = pool_path(pool.name)
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         st = os.fstat(fd)
         self.ino = (st.st_dev, st.st_ino)
+        sealed = is_sealed(fd)
         self.offsets = list(pool.offsets)
         self.row_bytes = [b.row_bytes for b in pool.layout.buffers]
         self.rows = [b.rows for b in pool.layout.buffers]
         end = max((o + b.nbytes for o, b in zip(pool.offsets, pool.layout.buffers)), default=0)
-        self.file = PoolFile(fd, map_read_only(fd, end), end)  # the descriptor, the mapping, the layout's end
+        # the descriptor, the mapping, the layout's end; a sealed file is copied out of the mapping
+        self.file = PoolFile(fd, map_read_only(fd, end), end, sealed and st.st_size >= end)
         self.broken = ""  # why the file can no longer be read (a short read seen): every later message is refused
         pool.close()
         self.reader = reader
@@ -298,6 +326,7 @@ class SameHostReceiver:
             st = os.fstat(self.file.fd)
         except OSError as exc:
             return f"the sender's pool {self.pool_name!r} cannot be read: {exc.strerror}"
+        sealed = self.file.sealed
         if st.st_size < self.file.length:
             return (f"the sender's pool {self.pool_name!r} shrank to {st.st_size} bytes after registration "
                     f"(its layout needs {self.file.length})")
@@ -307,7 +336,7 @@ class SameHostReceiver:
             return f"the sender's pool {self.pool_name!r} was unlinked after registration"
         if (now.st_dev, now.st_ino) != self.ino:
             return f"the sender's pool {self.pool_name!r} was replaced by another file after registration"
-        if st.st_nlink == 0:
+        if st.st_nlink == 0 and not sealed:  # a memfd has no links: its name is a link to its creator's descriptor
             return f"the sender's pool {self.pool_name!r} was unlinked after registration"
         return ""
 
@@ -324,7 +353,11 @@ class SameHostReceiver:
 
     def first_row(self, msg: DataRef | DataRefs, src: Refs) -> Any:
         n = self.row_bytes[msg.buffer]
-        data = os.pread(self.file.fd, n, self.offsets[msg.buffer] + int(src.rows[0]) * n)
+        off = self.offsets[msg.buffer] + int(src.rows[0]) * n
+        f = self.file
+        if f.sealed and f.base and off + n <= f.length:
+            return ctypes.string_at(f.base + off, n)
+        data = os.pread(f.fd, n, off)
         if len(data) != n:
             self.broken = self._short(-1, n)
             return b"\0" * n  # the aux guard then fails this room; the next message sees `broken`
@@ -336,7 +369,8 @@ class SameHostReceiver:
         entries = run_entries(dst, first, rows, msg.count, src.rows, rb, self.offsets[msg.buffer])
         if msg.count * rb < self.THREAD_MIN_BYTES or msg.kind == Kind.AUX:
             local, remote, lens = entries
-            rc = pread_into(self.file.fd, local, remote, lens)
+            f = self.file
+            rc = map_copy(f, local, remote, lens) if f.sealed and f.base else pread_into(f.fd, local, remote, lens)
             if rc != 0:  # the file shrank between the check and the read: these rows never land
                 self._failed(src.room, src.peer, rc, sum(lens), time.monotonic())
                 return False
