@@ -327,10 +327,10 @@ def _targets(ratios: dict[str, Any], small: dict[str, Any], dedup: dict[str, Any
             f"raw tcp socket {_g(limits['raw_tcp'][key]['gbps'])} GB/s, transferd {_g(bulk[key]['gbps'])} GB/s")
     out[f"same_host_vs_memcpy >= {TARGETS['same_host_vs_memcpy']:g}"] = _target(
         ratios["same_host_vs_memcpy"], "same_host_vs_memcpy", True,
-        f"memcpy 1 MiB {_g(limits['memcpy']['1MiB']['gbps'])} GB/s; the safe copies out of the pool file: preadv "
-        f"{_g(limits['pread']['1MiB']['gbps'])} GB/s = {_g(limits['pread']['1MiB']['vs_memcpy'])} × memcpy, "
-        f"process_vm_readv on 2 threads (the path's ceiling) {_g(limits['vm_read']['1MiB']['gbps'])} GB/s = "
-        f"{_g(limits['vm_read']['1MiB']['vs_memcpy'])} × memcpy")
+        f"memcpy 1 MiB {_g(limits['memcpy']['1MiB']['gbps'])} GB/s, the ceiling of a sealed pool's memmove; the "
+        f"kernel's copies out of a plain pool file: preadv {_g(limits['pread']['1MiB']['gbps'])} GB/s = "
+        f"{_g(limits['pread']['1MiB']['vs_memcpy'])} × memcpy, process_vm_readv on 2 threads "
+        f"{_g(limits['vm_read']['1MiB']['gbps'])} GB/s = {_g(limits['vm_read']['1MiB']['vs_memcpy'])} × memcpy")
     out[f"small_rooms.cp1.p50_ms <= {TARGETS['small_cp1_p50_ms']:g}"] = _target(c1["p50_ms"], "small_cp1_p50_ms", False)
     out[f"small_rooms.cp1.p99_ms <= {TARGETS['small_cp1_p99_ms']:g}"] = _target(c1["p99_ms"], "small_cp1_p99_ms", False)
     out[f"small_rooms.cp1.rooms_per_s >= {TARGETS['small_cp1_rooms_per_s']:g}"] = _target(
