@@ -550,3 +550,22 @@ def test_a_sealed_pool_created_twice_fails_and_close_releases_the_descriptor(shm
         p.unlink()
         p.close()
     assert p._fd == -1  # closed once (a second close would hit whatever reuses the number)
+
+
+def test_attach_reads_the_header_with_pread_so_a_file_shrunk_after_fstat_is_an_error_not_sigbus(
+        pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer may shrink its pool file between the attacher's ``fstat`` and its reading of the
+    header: the header comes from ``pread`` (a short read, named as such), never from the mapping
+    (a load there past the file's last page would kill this process with SIGBUS)."""
+    path = pool_path("p0")
+    size = path.stat().st_size
+    real_fstat = os.fstat
+
+    class Shrunk:  # what fstat said an instant before the peer truncated its file
+        def __init__(self, st: os.stat_result) -> None:
+            self.st_mode, self.st_size = st.st_mode, size
+
+    os.truncate(path, _HDR.size + 8)  # the magic survives, the layout description does not
+    monkeypatch.setattr(os, "fstat", lambda fd: Shrunk(real_fstat(fd)))
+    with pytest.raises(PoolError, match="runs past the file"):
+        Pool.attach("p0")

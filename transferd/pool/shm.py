@@ -192,22 +192,28 @@ class Pool:
                 raise PoolError(f"pool {name!r}: {path} is not a regular file")
             size = st.st_size
             sealed = is_sealed(fd)
-            if size < _HDR.size:
+            # the header is read with pread, not out of the mapping: a peer that shrinks its file
+            # meanwhile makes a read come back short, where a load from the mapping would SIGBUS
+            head = os.pread(fd, _HDR.size, 0)
+            if len(head) < _HDR.size:
                 raise PoolError(f"pool {name!r}: file of {size} bytes is too small for a header")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            raise PoolError(f"pool {name!r}: cannot map {path}: {exc.strerror or exc}") from None
-        finally:
-            os.close(fd)
-        try:
-            magic, fmt, desc_len, data_off = _HDR.unpack_from(mm, 0)
+            magic, fmt, desc_len, data_off = _HDR.unpack(head)
             if magic != MAGIC:
                 raise PoolError(f"pool {name!r}: not a transferd pool (bad magic {magic!r})")
             if fmt != HEADER_FORMAT:
                 raise PoolError(f"pool {name!r}: header format {fmt}, this transferd reads {HEADER_FORMAT}")
             if _HDR.size + desc_len > size:
                 raise PoolError(f"pool {name!r}: header length {desc_len} runs past the file")
-            desc: Any = msgpack.unpackb(mm[_HDR.size:_HDR.size + desc_len], raw=False)
+            raw_desc = os.pread(fd, desc_len, _HDR.size)
+            if len(raw_desc) < desc_len:
+                raise PoolError(f"pool {name!r}: header length {desc_len} runs past the file")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise PoolError(f"pool {name!r}: cannot map {path}: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+        try:
+            desc: Any = msgpack.unpackb(raw_desc, raw=False)
             layout = PoolLayout.from_wire(desc["layout"])
             if layout.fingerprint() != desc["fp"]:
                 raise PoolError(f"pool {name!r}: header fingerprint does not match its layout")
