@@ -12,7 +12,7 @@ from transferd.errors import BadRequest, UnknownRoom
 from transferd.protocol.room import RoomState
 
 from .harness import MODEL, Cluster, fill_random
-from .rooms import expect, make_room, mismatches, state_copy_bytes, submit_all
+from .rooms import expect, land, make_room, mismatches, state_copy_bytes, submit_all
 
 
 def _sum_bytes(pcs, kind: str) -> int:
@@ -210,10 +210,7 @@ def test_same_host_messages_read_by_several_threads_land_byte_exact(cluster: Clu
     before = [rows.copy() for rows in dpool.rows]
     batches0 = dc.stats()["same_host_reads"]["batches"]
     r = make_room(90, "prefill0", 40 * cp, cp, prefix=3, chunks=[(0, 40 * cp)], spools=spools)
-    expect(dc, r)
-    submit_all(pcs, r)
-    assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
-    assert mismatches(r, dpool, spools, "pages", before) == 0
+    assert land(dc, pcs, r, dpool, spools, before) == 0
     rx = dc.stats()
     assert rx["shm_bytes"] == sum(rx["bytes"].values()) > 0
     reads = rx["same_host_reads"]
@@ -292,10 +289,7 @@ def test_sealed_pools_are_copied_out_of_a_mapping_byte_exact_and_cannot_be_shrun
     before = [rows.copy() for rows in dpool.rows]
     n = 80 if big else 12
     r = make_room(140, "prefill0", n, 2, prefix=3, chunks=[(0, n // 2), (n // 2, n)], spools=spools)
-    expect(dc, r)
-    submit_all(pcs, r)
-    assert dc.wait(r.room, r.group, 20).state is RoomState.SUCCESS
-    assert mismatches(r, dpool, spools, "pages", before) == 0
+    assert land(dc, pcs, r, dpool, spools, before) == 0
     rx = dc.stats()
     assert rx["shm_bytes"] == sum(rx["bytes"].values()) > 0
     assert rx["same_host_reads"]["sealed_pools"] == 2 and rx["same_host_reads"]["failed"] == 0
@@ -316,10 +310,7 @@ def test_sealed_pools_are_copied_out_of_a_mapping_byte_exact_and_cannot_be_shrun
     assert not spools[0].rows[kv0].any()
     before = [rows.copy() for rows in dpool.rows]
     r2 = make_room(141, "prefill0", n, 2, chunks=[(0, n)], dst_start=100, slot=6, spools=spools)
-    expect(dc, r2)
-    submit_all(pcs, r2)
-    assert dc.wait(r2.room, r2.group, 20).state is RoomState.SUCCESS
-    assert mismatches(r2, dpool, spools, "pages", before) == 0  # against what the pools hold now
+    assert land(dc, pcs, r2, dpool, spools, before) == 0  # against what the pools hold now
     assert dc.ping()
 
 

@@ -72,6 +72,11 @@ def is_sealed(fd: int) -> bool:
         return False
 
 
+def _write_header(mm: mmap.mmap, desc: bytes, data_off: int) -> None:
+    mm[:_HDR.size] = _HDR.pack(MAGIC, HEADER_FORMAT, len(desc), data_off)
+    mm[_HDR.size:_HDR.size + len(desc)] = desc
+
+
 def _align(x: int) -> int:
     return (x + ALIGN - 1) // ALIGN * ALIGN
 
@@ -136,8 +141,7 @@ class Pool:
         try:
             os.ftruncate(fd, total)
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            mm[:_HDR.size] = _HDR.pack(MAGIC, HEADER_FORMAT, len(desc), data_off)
-            mm[_HDR.size:_HDR.size + len(desc)] = desc
+            _write_header(mm, desc, data_off)
             try:
                 os.link(tmp, path)  # fails if someone else created it meanwhile
             except FileExistsError:
@@ -159,20 +163,17 @@ class Pool:
             os.ftruncate(fd, total)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            mm[:_HDR.size] = _HDR.pack(MAGIC, HEADER_FORMAT, len(desc), data_off)
-            mm[_HDR.size:_HDR.size + len(desc)] = desc
+            _write_header(mm, desc, data_off)
         except OSError as exc:
             os.close(fd)
             raise PoolError(f"pool {name!r}: cannot set up a sealed pool: {exc.strerror or exc}") from None
         try:
             os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)  # fails if someone else created it meanwhile
-        except FileExistsError:
-            mm.close()
-            os.close(fd)
-            raise PoolError(f"pool {name!r} was created concurrently by another process") from None
         except OSError as exc:
             mm.close()
             os.close(fd)
+            if isinstance(exc, FileExistsError):
+                raise PoolError(f"pool {name!r} was created concurrently by another process") from None
             raise PoolError(f"pool {name!r}: cannot name the sealed pool at {path}: {exc.strerror or exc}") from None
         return cls(name, layout, mm, offsets, owner=True, pool_id=pool_id, sealed=True, fd=fd)
 

@@ -121,7 +121,7 @@ class PoolFile:
     fd: int
     base: int = 0
     length: int = 0
-    sealed: bool = False  # the file cannot shrink: the mapping may be read in user space
+    sealed: bool = False  # sealed against shrinking and mapped to the layout's end: copied in user space
 
 
 class SameHostEngine:
@@ -144,7 +144,7 @@ class SameHostEngine:
         f = self.files.get(session)
         if f is None:
             return -2
-        if f.sealed and f.base and len(lens) <= MAP_COPY_RUNS:
+        if f.sealed and len(lens) <= MAP_COPY_RUNS:
             return map_copy(f, local, remote, lens)
         if self.vm and f.base:
             rc = self._vm_read(f, local, remote, lens)
@@ -230,6 +230,12 @@ def map_copy(f: PoolFile, local: Sequence[int], remote: Sequence[int], lens: Seq
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
 
+def copy_runs(f: PoolFile, local: list[int], remote: list[int], lens: list[int]) -> int:
+    """The loop's copy of a few runs: out of the mapping where the file is sealed, else ``pread``
+    (0, or -1 when they do not all land, as :func:`pread_into`)."""
+    return map_copy(f, local, remote, lens) if f.sealed else pread_into(f.fd, local, remote, lens)
+
+
 def pread_into(fd: int, local: list[int], remote: list[int], lens: list[int]) -> int:
     """Read ``lens[i]`` bytes at file offset ``remote[i]`` to address ``local[i]``, every entry
     whole: 0; -1 when the file ended first (it shrank); -2 when the kernel refused (EBADF, EIO).
@@ -304,8 +310,9 @@ class SameHostReceiver:
         self.row_bytes = [b.row_bytes for b in pool.layout.buffers]
         self.rows = [b.rows for b in pool.layout.buffers]
         end = max((o + b.nbytes for o, b in zip(pool.offsets, pool.layout.buffers)), default=0)
-        # the descriptor, the mapping, the layout's end; a sealed file is copied out of the mapping
-        self.file = PoolFile(fd, map_read_only(fd, end), end, sealed and st.st_size >= end)
+        # the descriptor, the mapping, the layout's end; a sealed file mapped that far is copied in user space
+        base = map_read_only(fd, end)
+        self.file = PoolFile(fd, base, end, sealed and bool(base) and st.st_size >= end)
         self.broken = ""  # why the file can no longer be read (a short read seen): every later message is refused
         pool.close()
         self.reader = reader
@@ -326,7 +333,6 @@ class SameHostReceiver:
             st = os.fstat(self.file.fd)
         except OSError as exc:
             return f"the sender's pool {self.pool_name!r} cannot be read: {exc.strerror}"
-        sealed = self.file.sealed
         if st.st_size < self.file.length:
             return (f"the sender's pool {self.pool_name!r} shrank to {st.st_size} bytes after registration "
                     f"(its layout needs {self.file.length})")
@@ -336,7 +342,7 @@ class SameHostReceiver:
             return f"the sender's pool {self.pool_name!r} was unlinked after registration"
         if (now.st_dev, now.st_ino) != self.ino:
             return f"the sender's pool {self.pool_name!r} was replaced by another file after registration"
-        if st.st_nlink == 0 and not sealed:  # a memfd has no links: its name is a link to its creator's descriptor
+        if st.st_nlink == 0 and not self.file.sealed:  # a memfd has no links: its name is a link to its creator's descriptor
             return f"the sender's pool {self.pool_name!r} was unlinked after registration"
         return ""
 
@@ -355,7 +361,7 @@ class SameHostReceiver:
         n = self.row_bytes[msg.buffer]
         off = self.offsets[msg.buffer] + int(src.rows[0]) * n
         f = self.file
-        if f.sealed and f.base and off + n <= f.length:
+        if f.sealed and off + n <= f.length:
             return ctypes.string_at(f.base + off, n)
         data = os.pread(f.fd, n, off)
         if len(data) != n:
@@ -369,8 +375,7 @@ class SameHostReceiver:
         entries = run_entries(dst, first, rows, msg.count, src.rows, rb, self.offsets[msg.buffer])
         if msg.count * rb < self.THREAD_MIN_BYTES or msg.kind == Kind.AUX:
             local, remote, lens = entries
-            f = self.file
-            rc = map_copy(f, local, remote, lens) if f.sealed and f.base else pread_into(f.fd, local, remote, lens)
+            rc = copy_runs(self.file, local, remote, lens)
             if rc != 0:  # the file shrank between the check and the read: these rows never land
                 self._failed(src.room, src.peer, rc, sum(lens), time.monotonic())
                 return False
@@ -415,4 +420,4 @@ class SameHostReceiver:
             self.engine.files.pop(self.session, None)
             unmap(f.base, f.length)
             os.close(f.fd)
-            f.fd, f.base = -1, 0
+            f.fd, f.base, f.sealed = -1, 0, False
