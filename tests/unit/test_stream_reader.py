@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transferd.protocol.stream import HELLO_MAGIC, KEY_BYTES, PREFIX
-from transferd.transport.data_stream import RECV_CHUNK, StreamReader, Target
+from transferd.transport.data_stream import MULTI_RECV_CHUNK, RECV_CHUNK, StreamReader, Target
 
 
 class CountingSocket:
@@ -105,6 +105,50 @@ def test_small_views_are_filled_several_per_read() -> None:
     # far fewer reads than views: 200 rows of 3000 bytes take ~10 reads of a chunk, not 200
     payload_reads = len(asked) - 3  # the hello, the prefix and the header come first
     assert payload_reads < len(sizes) // 3, (payload_reads, asked[:20])
+
+
+def test_streams_in_a_payload_at_once_read_larger_chunks_and_the_count_returns_to_zero() -> None:
+    """Two streams of one server inside a payload at once (a CP group's ranks): the reads grow to
+    MULTI_RECV_CHUNK, the bytes land exactly, and the count of streams inside a payload is back
+    to zero once one payload is done and the other stream closed in mid-payload."""
+    payload = os.urandom(3 * MULTI_RECV_CHUNK + 5)
+    hello = HELLO_MAGIC + b"k" * KEY_BYTES
+
+    async def main() -> tuple[bytes, list[int], list[int], list[str]]:
+        busy = [0]
+        a1, b1 = socket.socketpair()
+        a2, b2 = socket.socketpair()
+        for s in (a1, a2):
+            s.setblocking(False)
+        h1 = Handler([memoryview(bytearray(len(payload)))])
+        dst = bytearray(len(payload))
+        h2 = Handler([memoryview(dst)])
+        r1 = StreamReader(CountingSocket(a1), "one", h1, len(payload), memoryview(bytearray(64)), busy=busy)
+        c2 = CountingSocket(a2)
+        r2 = StreamReader(c2, "two", h2, len(payload), memoryview(bytearray(64)), busy=busy)
+        b1.sendall(hello + PREFIX.pack(3, len(payload)) + b"hdr" + payload[:1000])  # stays in mid-payload
+        loop = asyncio.get_running_loop()
+        while busy[0] < 1:
+            await asyncio.sleep(0.005)
+        seen = [busy[0]]
+        writer = threading.Thread(target=b2.sendall, args=(hello + PREFIX.pack(3, len(payload)) + b"hdr" + payload,))
+        writer.start()
+        await asyncio.wait_for(h2.done, 30)
+        await loop.run_in_executor(None, writer.join)
+        seen.append(busy[0])  # r2's payload is done: r1 alone is inside one
+        r1.close()
+        seen.append(busy[0])
+        r2.close()
+        b1.close()
+        b2.close()
+        return bytes(dst), c2.asked, seen, h1.closed
+
+    got, asked, seen, closed = asyncio.run(main())
+    assert got == payload
+    assert max(asked) <= MULTI_RECV_CHUNK
+    assert any(n > RECV_CHUNK for n in asked), asked[:20]  # the second stream read in larger chunks
+    assert seen == [1, 1, 0]
+    assert closed == [""]
 
 
 # -- property: any views, any chunking of the sender's writes, any abort point --------------------

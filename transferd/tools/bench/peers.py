@@ -30,7 +30,7 @@ from ...daemon.malloc import keep_message_buffers_mapped
 from ...errors import TransferdError
 from ...layout import ModelSpec
 from ...pool.shm import Pool, pool_path
-from ...transport.data_stream import RECV_CHUNK
+from ...transport.data_stream import MULTI_RECV_CHUNK, RECV_CHUNK
 from ...transport.planes.same_host import PoolFile, SameHostEngine, SameHostReceiver, cut, map_read_only, unmap
 from ..procs import ProcessGroup, popen
 from .plan import CP8, POISON, SIZES, Filler, MiB, Plan, cpu_seconds, repo_root
@@ -265,7 +265,8 @@ class Limits:
         the eight sender processes sends its eighth of the bulk bytes in messages of ``key``'s
         size (``sendall`` out of the pool); this process takes them with non-blocking sockets and
         a selector, ``recv_into`` straight into that eighth of the destination ring, at most
-        ``RECV_CHUNK`` a read as the data stream reads. CPU of this process and of the eight
+        ``MULTI_RECV_CHUNK`` a read, as the data stream reads while several streams are in a
+        payload. CPU of this process and of the eight
         senders summed, per GB."""
         assert self.pool is not None and len(self.x8_socks) == CP8
         size = SIZES[key]
@@ -292,7 +293,7 @@ class Limits:
                     s, base, n = socks[k], k * share, got[k]
                     try:
                         while n < share:  # until the socket is drained
-                            r = s.recv_into(mem[base + n:base + min(n + RECV_CHUNK, share)])
+                            r = s.recv_into(mem[base + n:base + min(n + MULTI_RECV_CHUNK, share)])
                             if not r:
                                 raise TransferdError("bench: a raw tcp x8 sender closed its connection")
                             n += r
