@@ -127,14 +127,15 @@ def test_streams_in_a_payload_at_once_read_larger_chunks_and_the_count_returns_t
         c2 = CountingSocket(a2)
         r2 = StreamReader(c2, "two", h2, len(payload), memoryview(bytearray(64)), busy=busy)
         b1.sendall(hello + PREFIX.pack(3, len(payload)) + b"hdr" + payload[:1000])  # stays in mid-payload
-        loop = asyncio.get_running_loop()
-        while busy[0] < 1:
-            await asyncio.sleep(0.005)
+        async def first_in_payload() -> None:
+            while busy[0] < 1:
+                await asyncio.sleep(0.005)
+        await asyncio.wait_for(first_in_payload(), 30)
         seen = [busy[0]]
         writer = threading.Thread(target=b2.sendall, args=(hello + PREFIX.pack(3, len(payload)) + b"hdr" + payload,))
         writer.start()
         await asyncio.wait_for(h2.done, 30)
-        await loop.run_in_executor(None, writer.join)
+        await asyncio.to_thread(writer.join)
         seen.append(busy[0])  # r2's payload is done: r1 alone is inside one
         r1.close()
         seen.append(busy[0])

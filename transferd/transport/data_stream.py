@@ -29,7 +29,7 @@ RECV_CHUNK = 64 << 10
 MAX_SCATTER = 64  # views one read may fill (IOV_MAX is 1024)
 # the most one read asks for while two or more streams of one server are inside a payload (a CP
 # group's ranks into one receiver): fewer, larger reads mean fewer window updates and fewer
-# wake-ups of the senders; CP8 bulk moved 1.25x faster at 512 KiB than at 64 KiB (docs/PERFORMANCE.md)
+# wake-ups of the senders; CP8 bulk moved 1.25-1.34x faster at 512 KiB than at 64 KiB (docs/PERFORMANCE.md)
 MULTI_RECV_CHUNK = 512 << 10
 SCRATCH_BYTES = 256 << 10  # payload bytes read only to be dropped go through this (one per server)
 
@@ -229,7 +229,6 @@ class StreamReader:
                  scratch: memoryview, budget: int = 64, busy: list[int] | None = None) -> None:
         self.sock = sock
         self._busy = busy if busy is not None else [0]  # streams of the server inside a payload
-        self._counted = False
         self.addr = addr
         self.handler = handler
         self.max_payload = max_payload
@@ -381,14 +380,12 @@ class StreamReader:
                 return
             self._state, self._target = "payload", target
             self._busy[0] += 1
-            self._counted = True
             self._expect(list(target.views) if target.views else self._skip_views(self._plen))
             if not target.views:
                 target.done = target.alive = None
         else:  # payload
             finished, self._target = self._target, None
             self._busy[0] -= 1
-            self._counted = False
             self._expect_prefix()
             if finished is not None and finished.done is not None:
                 finished.done()
@@ -405,9 +402,8 @@ class StreamReader:
         if self.closed:
             return
         self.closed = True
-        if self._counted:
+        if self._state == "payload":  # counted in on entering it; a closed stream reads no more
             self._busy[0] -= 1
-            self._counted = False
         for timer in (self._hello_timer, self._paused):
             if timer is not None:
                 timer.cancel()
