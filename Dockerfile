@@ -49,7 +49,7 @@ RUN groupadd --system --gid 10001 transferd \
     && install -d -o transferd -g transferd -m 0700 /run/transferd \
     && install -d -m 0755 /etc/transferd /etc/transferd/keys
 COPY configs/ /etc/transferd/
-# the engine sockets (ipc://{run_dir}/...); the environment beats a config file's run_dir
+# the engine sockets (unix://{run_dir}/...); the environment beats a config file's run_dir
 ENV TRANSFERD_RUN_DIR=/run/transferd
 # numeric, so that a runtime can tell it is not root (Kubernetes runAsNonRoot)
 USER 10001:10001

@@ -9,14 +9,16 @@ subclass with the daemon's message.
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
 import zmq
 
-from .errors import ClientTimeout, TransferdError, VersionMismatch
+from .errors import ClientTimeout, DecodeError, TransferdError, VersionMismatch
 from .protocol.engine_api import (
     LOCAL_API_VERSION,
     Expect,
@@ -42,9 +44,12 @@ from .protocol.engine_api import (
     request_map,
 )
 from .protocol.room import RoomState, RoomStatus
+from .transport.local_stream import FRAME, unix_path
 
 __all__ = ["LOCAL_API_VERSION", "DecodeClient", "PrefillClient", "RoomState", "RoomStatus"]
 
+
+MAX_REPLY_BYTES = 1 << 30  # a longer reply from a unix:// daemon is refused, not read
 
 Rows = Sequence[int] | np.ndarray
 """Page or slot indices: a list, a range or a numpy integer array."""
@@ -99,14 +104,138 @@ def _normalize(args: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _ZmqLink:
+    """An ``ipc://`` or ``tcp://`` endpoint: a DEALER; replies matched by id."""
+
+    def __init__(self, endpoint: str, ctx: zmq.Context[Any] | None) -> None:
+        self.endpoint = endpoint
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._new()
+
+    def _new(self) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def roundtrip(self, body: bytes, rid: int, op: str, timeout: float) -> Ok | Refusal:
+        self._sock.send(body)
+        while True:
+            if not self._sock.poll(int(timeout * 1000)):
+                # the reply may still come: a fresh socket keeps later calls from reading it
+                self.reset()
+                raise ClientTimeout(f"no answer to {op!r} from {self.endpoint} within {timeout:g}s")
+            reply_id, outcome = decode_reply(self._sock.recv())
+            if reply_id == rid:
+                return outcome
+
+    def reset(self) -> None:
+        self._sock.close(linger=0)
+        self._sock = self._new()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class _UnixLink:
+    """A ``unix://PATH`` endpoint: one stream connection, each message framed by its u32
+    big-endian length (docs/PROTOCOL.md §17). Connected at the first call and again after the
+    daemon closed it; a call waits up to its timeout for a daemon that is not up yet."""
+
+    def __init__(self, endpoint: str, path: str) -> None:
+        self.endpoint = endpoint
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+
+    def _connect(self, deadline: float, op: str, timeout: float) -> socket.socket:
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.connect(self.path)
+                return sock
+            except (TimeoutError, FileNotFoundError, ConnectionRefusedError) as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise ClientTimeout(f"no answer to {op!r} from {self.endpoint} within {timeout:g}s: no daemon "
+                                        f"listening ({exc})") from None
+                time.sleep(0.01)
+            except OSError as exc:
+                sock.close()
+                raise ClientTimeout(f"{op!r} to {self.endpoint}: cannot connect: {exc}") from None
+
+    def roundtrip(self, body: bytes, rid: int, op: str, timeout: float) -> Ok | Refusal:
+        deadline = time.monotonic() + timeout
+        frame = FRAME.pack(len(body)) + body
+        for retry in (False, True):  # a connection the daemon closed since the last call is made again
+            fresh = retry or self._sock is None
+            if self._sock is None:
+                self._sock = self._connect(deadline, op, timeout)
+            sock = self._sock
+            try:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.sendall(frame)
+                break
+            except TimeoutError:
+                self.reset()
+                raise ClientTimeout(f"{op!r} to {self.endpoint}: not taken within {timeout:g}s") from None
+            except OSError as exc:
+                self.reset()
+                if fresh:
+                    raise ClientTimeout(f"{op!r} to {self.endpoint}: the connection failed: {exc}") from None
+        while True:
+            reply = self._frame(deadline, op, timeout)
+            reply_id, outcome = decode_reply(reply)
+            if reply_id == rid:
+                return outcome
+
+    def _frame(self, deadline: float, op: str, timeout: float) -> bytes:
+        buf = self._buf
+        while True:
+            if len(buf) >= FRAME.size:
+                (n,) = FRAME.unpack_from(buf)
+                if n > MAX_REPLY_BYTES:
+                    self.reset()
+                    raise DecodeError(f"a reply of {n} bytes from {self.endpoint}, over the limit of {MAX_REPLY_BYTES}")
+                if len(buf) >= FRAME.size + n:
+                    body = bytes(buf[FRAME.size:FRAME.size + n])
+                    del buf[:FRAME.size + n]
+                    return body
+            left = deadline - time.monotonic()
+            assert self._sock is not None
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                self._sock.settimeout(left)
+                data = self._sock.recv(1 << 16)
+            except TimeoutError:
+                self.reset()  # the reply may still come: a fresh connection keeps later calls from reading it
+                raise ClientTimeout(f"no answer to {op!r} from {self.endpoint} within {timeout:g}s") from None
+            except OSError as exc:
+                self.reset()
+                raise ClientTimeout(f"no answer to {op!r} from {self.endpoint}: {exc}") from None
+            if not data:
+                self.reset()
+                raise ClientTimeout(f"no answer to {op!r} from {self.endpoint}: the daemon closed the connection")
+            buf += data
+
+    def reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._buf.clear()
+
+    def close(self) -> None:
+        self.reset()
+
+
 class _Client:
     def __init__(self, endpoint: str, *, timeout_s: float = 30.0, ctx: zmq.Context[Any] | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        path = unix_path(endpoint)
+        self._link: _ZmqLink | _UnixLink = _ZmqLink(endpoint, ctx) if path is None else _UnixLink(endpoint, str(path))
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pack = packer()  # used under the lock only
@@ -124,15 +253,7 @@ class _Client:
         timeout = self.timeout_s if reply_timeout_s is None else reply_timeout_s
         with self._lock:
             rid = next(self._ids)
-            self._sock.send(self._pack(request_map(rid, op, args)))
-            while True:
-                if not self._sock.poll(int(timeout * 1000)):
-                    # the reply may still come: a fresh socket keeps later calls from reading it
-                    self._reset()
-                    raise ClientTimeout(f"no answer to {op!r} from {self.endpoint} within {timeout:g}s")
-                reply_id, outcome = decode_reply(self._sock.recv())
-                if reply_id == rid:
-                    return outcome
+            return self._link.roundtrip(self._pack(request_map(rid, op, args)), rid, op, timeout)
 
     def _result(self, outcome: Ok | Refusal) -> Any:
         if isinstance(outcome, Refusal):
@@ -159,13 +280,10 @@ class _Client:
         return [next(answers) if isinstance(i, Request) else i for i in items]
 
     def _reset(self) -> None:
-        self._sock.close(linger=0)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.endpoint)
+        self._link.reset()
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._link.close()
 
     def __enter__(self) -> Any:
         return self

@@ -54,7 +54,7 @@ def default_run_dir() -> str:
 class ReceiverConfig:
     name: str = "decode0"
     bind: str = "tcp://127.0.0.1:57500"
-    engine_socket: str = "ipc://{run_dir}/{name}.sock"
+    engine_socket: str = "unix://{run_dir}/{name}.sock"
     pool: str = "{name}"
     create_pool: bool = True
     kv_pages: int = 4096
@@ -129,7 +129,7 @@ class SenderConfig:
     cp_rank: int = 0
     split: SplitMode = SplitMode.PAGES
     receivers: tuple[str, ...] = ("tcp://127.0.0.1:57500",)
-    engine_socket: str = "ipc://{run_dir}/{group}-r{rank}.sock"
+    engine_socket: str = "unix://{run_dir}/{group}-r{rank}.sock"
     pool: str = "{group}-r{rank}"
     create_pool: bool = True
     kv_pages: int = 4096

@@ -1,5 +1,5 @@
 """Real daemons in real processes for integration tests: configs in tmp_path, pools in /dev/shm
-under unique names, engine sockets as ipc:// in tmp_path, receivers on random loopback ports."""
+under unique names, engine sockets as unix:// in tmp_path, receivers on random loopback ports."""
 
 from __future__ import annotations
 

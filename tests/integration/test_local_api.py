@@ -1,11 +1,13 @@
-"""A real LocalApiServer on an ipc:// socket, served by an event loop in a thread, with fake
-handlers; raw DEALER clients speak the wire of docs/PROTOCOL.md §17 to it (the version check, a
-request, a batch, refusals and their counters), and the Python clients are checked against it
-and against fake daemons of another version."""
+"""A real LocalApiServer on each of its transports (an ipc:// ZeroMQ socket, a unix:// stream
+socket), served by an event loop in a thread, with fake handlers; raw clients (a DEALER, a Unix
+socket with length-prefixed frames) speak the wire of docs/PROTOCOL.md §17 to it (the version
+check, a request, a batch, refusals and their counters), and the Python clients are checked
+against it and against fake daemons of another version."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -38,6 +40,7 @@ from transferd.protocol.room import RoomRequest, RoomState, RoomStatus
 from transferd.receiver import api as receiver_api
 from transferd.sender import api as sender_api
 from transferd.transport.local_api import LocalApiServer
+from transferd.transport.local_stream import FRAME, unix_path
 
 V = LOCAL_API_VERSION
 WAITING = RoomStatus(RoomState.WAITING)
@@ -176,9 +179,9 @@ class FakeSender:
         return {"name": "prefill0/r0", "pid": 2}
 
 
-@pytest.fixture
-def endpoint(tmp_path: Path) -> str:
-    return f"ipc://{tmp_path}/api.sock"
+@pytest.fixture(params=["ipc", "unix"])
+def endpoint(tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    return f"{request.param}://{tmp_path}/api.sock"
 
 
 @pytest.fixture
@@ -201,20 +204,63 @@ def sender(endpoint: str) -> Iterator[tuple[Served, FakeSender]]:
         s.close()
 
 
+class UnixWire:
+    """One connection to a unix:// endpoint, framing by hand (u32 big-endian length, body)."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(20)
+        self.path, self.connected = path, False  # connected at the first send, as a DEALER would
+        self.buf = b""
+
+    def send(self, body: bytes) -> None:
+        if not self.connected:
+            self.sock.connect(self.path)
+            self.connected = True
+        self.sock.sendall(FRAME.pack(len(body)) + body)
+
+    def recv(self) -> bytes:
+        while True:
+            if len(self.buf) >= 4:
+                (n,) = FRAME.unpack_from(self.buf)
+                if len(self.buf) >= 4 + n:
+                    body, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
+                    return body
+            data = self.sock.recv(1 << 16)
+            assert data, "the daemon closed the connection"
+            self.buf += data
+
+    def close(self, linger: int = 0) -> None:
+        self.sock.close()
+
+
 class Raw:
-    """A raw DEALER speaking the wire by hand."""
+    """A raw client speaking the wire by hand: a DEALER, or a Unix stream socket."""
 
     def __init__(self, endpoint: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        path = unix_path(endpoint)
+        self.unix = UnixWire(str(path)) if path is not None else None
+        if self.unix is None:
+            self.zsock = zmq.Context.instance().socket(zmq.DEALER)
+            self.zsock.setsockopt(zmq.LINGER, 0)
+            self.zsock.connect(endpoint)
+
+    def send_bytes(self, body: bytes) -> None:
+        if self.unix is not None:
+            self.unix.send(body)
+        else:
+            self.zsock.send(body)
 
     def send(self, obj: Any) -> None:
-        self.sock.send(msgpack.packb(obj, use_bin_type=True))
+        self.send_bytes(msgpack.packb(obj, use_bin_type=True))
 
     def recv(self) -> dict[str, Any]:
-        assert self.sock.poll(20_000), "no reply within 20 s"
-        reply: dict[str, Any] = msgpack.unpackb(self.sock.recv(), raw=False)
+        if self.unix is not None:
+            body = self.unix.recv()
+        else:
+            assert self.zsock.poll(20_000), "no reply within 20 s"
+            body = self.zsock.recv()
+        reply: dict[str, Any] = msgpack.unpackb(body, raw=False)
         return reply
 
     def ask(self, obj: Any) -> dict[str, Any]:
@@ -222,7 +268,10 @@ class Raw:
         return self.recv()
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        if self.unix is not None:
+            self.unix.close()
+        else:
+            self.zsock.close(linger=0)
 
 
 @pytest.fixture
@@ -273,18 +322,36 @@ def test_the_client_refuses_a_reply_without_a_version(endpoint: str) -> None:
 
 
 class FakeDaemon:
-    """A ROUTER answering one request with ``answer(request)``, from a thread."""
+    """A ROUTER (or a Unix listening socket) answering one request with ``answer(request)``,
+    from a thread."""
 
     def __init__(self, endpoint: str, answer: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
+        path = unix_path(endpoint)
+        self.listen: socket.socket | None = None
+        if path is not None:
+            self.listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.listen.bind(str(path))
+            self.listen.listen(1)
+            self.listen.settimeout(20)
+        else:
+            self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.bind(endpoint)
         self.answer = answer
         self.got: list[dict[str, Any]] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
 
     def _serve(self) -> None:
-        if self.sock.poll(20_000):
+        if self.listen is not None:
+            conn, _ = self.listen.accept()
+            wire = UnixWire.__new__(UnixWire)
+            wire.sock, wire.buf, wire.connected = conn, b"", True
+            conn.settimeout(20)
+            req = msgpack.unpackb(wire.recv(), raw=False)
+            self.got.append(req)
+            wire.send(msgpack.packb(self.answer(req), use_bin_type=True))
+            wire.close()
+        elif self.sock.poll(20_000):
             ident, body = self.sock.recv_multipart()
             req = msgpack.unpackb(body, raw=False)
             self.got.append(req)
@@ -296,7 +363,10 @@ class FakeDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.thread.join(25)
-        self.sock.close(linger=0)
+        if self.listen is not None:
+            self.listen.close()
+        else:
+            self.sock.close(linger=0)
 
 
 # -- requests and replies ------------------------------------------------------------------------
@@ -331,7 +401,7 @@ def test_refusals_are_answered_and_counted_by_code(receiver: tuple[Served, FakeR
         "id": 5, "v": V, "ok": False, "code": "internal", "error": "expect: internal error: RuntimeError: a bug"}
     assert raw.ask([1, 2]) == {"id": None, "v": V, "ok": False, "code": "decode",
                                "error": "malformed request: request must be a map with a string 'op'"}
-    raw.sock.send(b"\xc1")
+    raw.send_bytes(b"\xc1")
     reply = raw.recv()
     assert reply["id"] is None and reply["code"] == "decode" and reply["error"].startswith("malformed request: ")
     assert s.srv.refused == {"engine_unknown_op": 1, "engine_bad_request": 2, "engine_unknown_room": 1,

@@ -3,7 +3,7 @@ veth pair. A room succeeds over the link; a room in flight when the link is cut 
 sides with ``peer_lost`` within the heartbeat deadline; once the link is back the senders register
 again by themselves and a new room succeeds byte-exact.
 
-The engine sockets are ``ipc://`` paths in ``tmp_path`` and the pools live in ``/dev/shm``, which
+The engine sockets are ``unix://`` paths in ``tmp_path`` and the pools live in ``/dev/shm``, which
 both work across network namespaces, so this test process drives both engines from the root
 namespace. Creating namespaces needs root (CI runs as root): when that is impossible the test
 fails under CI (``CI`` set) and is skipped, with the reason, elsewhere.

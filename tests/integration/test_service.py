@@ -83,7 +83,8 @@ def test_status_command_shows_ranks_rooms_and_throughput(cluster: Cluster) -> No
     r = make_room(7, "prefill0", 6, 2, spools=spools)
     expect(dc, r)
     # the engine socket is private to its user, in a private directory
-    sock_path = Path(dc.endpoint[len("ipc://"):])
+    assert dc.endpoint.startswith("unix://")  # the default transport
+    sock_path = Path(dc.endpoint[len("unix://"):])
     assert sock_path.stat().st_mode & 0o777 == 0o600 and sock_path.parent.stat().st_mode & 0o777 == 0o700
     cfg_r = cluster.tmp / "receiver-decode0.toml"
     cfg_s = cluster.tmp / "sender-prefill0-r1.toml"
@@ -103,8 +104,9 @@ def test_status_command_shows_ranks_rooms_and_throughput(cluster: Cluster) -> No
     assert sender.returncode == 0 and "sender prefill0/r1" in sender.stdout and "registered" in sender.stdout
     dc.release(r.room, r.group)
     # nobody there: exit 1 (what a container health check needs)
-    gone = run("--endpoint", f"ipc://{cluster.tmp}/nobody.sock", "--timeout", "0.5")
-    assert gone.returncode == 1 and "no answer" in gone.stderr
+    for scheme in ("unix", "ipc"):  # either transport
+        gone = run("--endpoint", f"{scheme}://{cluster.tmp}/nobody.sock", "--timeout", "0.5")
+        assert gone.returncode == 1 and "no answer" in gone.stderr
 
 
 def _keygen(d: Path, name: str) -> None:
@@ -237,7 +239,7 @@ def test_config_check_and_precedence_on_the_command_line(tmp_path: Path) -> None
         from transferd.client import DecodeClient
         from transferd.errors import ClientTimeout
 
-        dc = DecodeClient(f"ipc://{tmp_path}/run/fromflag.sock", timeout_s=1)
+        dc = DecodeClient(f"unix://{tmp_path}/run/fromflag.sock", timeout_s=1)
         deadline = time.monotonic() + 30
         while True:
             try:

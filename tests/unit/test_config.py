@@ -76,10 +76,10 @@ def test_placeholders() -> None:
     cfg = from_mapping({"run_dir": "/run/x", "sender": {"group": "pf", "cp_size": 4, "cp_rank": 1},
                         "receiver": {"name": "dec"}}, env={})
     assert cfg.receiver_pool_name() == "dec"
-    assert cfg.receiver_engine_socket() == "ipc:///run/x/dec.sock"
+    assert cfg.receiver_engine_socket() == "unix:///run/x/dec.sock"
     assert cfg.sender_pool_name() == "pf-r1"
     assert cfg.sender_pool_name(rank=3) == "pf-r3"
-    assert cfg.sender_engine_socket(2) == "ipc:///run/x/pf-r2.sock"
+    assert cfg.sender_engine_socket(2) == "unix:///run/x/pf-r2.sock"
 
 
 # -- unknown keys name the key and the source -------------------------------------------

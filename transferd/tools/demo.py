@@ -508,6 +508,11 @@ def _settle(room: DemoRoom, engines: _Engines, cfg: Config, launcher: Launcher) 
     for r, pc in enumerate(engines.pcs):
         if r in engines.down:
             continue
+        if room.status != "success":  # as an engine would: a room the decode side failed is given up here too
+            try:  # (a receiver killed between its answer to expect and its assign leaves it unassigned)
+                pc.abort(room.room, f"the decode side ended it: {room.code}")
+            except (ClientTimeout, TransferdError):
+                pass
         try:
             pst = pc.wait(room.room, cfg.demo.timeout_s)
         except (ClientTimeout, TransferdError):

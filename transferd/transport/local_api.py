@@ -29,6 +29,7 @@ from ..protocol.engine_api import (
     packer,
 )
 from ..protocol.room import RoomStatus
+from .local_stream import UnixConn, UnixFront, unix_path
 from .loop_socket import LoopSocket, configure, ipc_path, prepare_ipc, restrict_ipc
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ HandlerTable = Mapping[type[Request], Handler]
 
 
 class LocalApiServer:
-    """The engine-facing socket: a ROUTER on a private ``ipc://`` (or loopback tcp) endpoint.
+    """The engine-facing socket: a Unix stream socket on a private ``unix://`` path
+    (:mod:`.local_stream`), or a ZeroMQ ROUTER on a private ``ipc://`` (or loopback tcp)
+    endpoint; the same requests and replies on either.
 
     Each request is one msgpack frame, decoded and checked by :mod:`~transferd.protocol.engine_api`
     (its version included), then run by the handler of its type on the event loop; a handler may
@@ -66,30 +69,45 @@ class LocalApiServer:
         self.ops: dict[str, type[Request]] = {cls.op: cls for cls in self.handlers}
         """The ops served, by name (what the decoder accepts)."""
         self.name = name
-        prepare_ipc(endpoint)
-        self.sock = ctx.socket(zmq.ROUTER)
-        configure(self.sock)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_LOCAL_REQUEST_BYTES)
-        self.sock.bind(endpoint)
-        restrict_ipc(endpoint)
-        self.bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.refused: Counter[str] = refused if refused is not None else Counter()
         """Engine requests refused, by ``engine_<code>`` (shared with the agent's accounting)."""
+        self.sock: zmq.Socket[Any] | None = None
+        self.unix: UnixFront | None = None
+        path = unix_path(endpoint)
+        if path is not None:
+            self.unix = UnixFront(path, self._on_request, name, MAX_LOCAL_REQUEST_BYTES, self.refused)
+            self.bound = endpoint
+        else:
+            prepare_ipc(endpoint)
+            self.sock = ctx.socket(zmq.ROUTER)
+            configure(self.sock)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_LOCAL_REQUEST_BYTES)
+            self.sock.bind(endpoint)
+            restrict_ipc(endpoint)
+            self.bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.link: LoopSocket | None = None
         self._pack = packer()  # replies are encoded on the loop's thread only
 
     async def run(self) -> None:
         """Serve until cancelled (requests are handled as they arrive, on the loop)."""
-        self.link = LoopSocket(self.sock, self._on_request, f"{self.name} engine API")
-        await asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if self.unix is not None:
+            self.unix.start(loop)
+        else:
+            assert self.sock is not None
+            self.link = LoopSocket(self.sock, self._on_zmq_request, f"{self.name} engine API")
+        await loop.create_future()
 
-    def _on_request(self, frames: list[bytes]) -> None:
+    def _on_zmq_request(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
             self.refused["engine_malformed"] += 1
             log.warning("%s: engine request with %d frames refused", self.name, len(frames))
             return
-        ident, body = frames
+        self._on_request(frames[0], frames[1])
+
+    def _on_request(self, ident: bytes | UnixConn, body: bytes) -> None:
+        """One request from a client: ``ident`` is its ZeroMQ identity or its Unix connection."""
         rid, req = decode_request(body, self.ops)
         if isinstance(req, TransferdError):
             if req.code in ("decode", "version"):
@@ -158,10 +176,10 @@ class LocalApiServer:
 
         return gather()
 
-    async def _finish(self, ident: bytes, rid: Any, aw: Awaitable[Reply]) -> None:
+    async def _finish(self, ident: bytes | UnixConn, rid: Any, aw: Awaitable[Reply]) -> None:
         self._answer(ident, rid, await aw)
 
-    def _answer(self, ident: bytes, rid: Any, reply: Reply) -> None:
+    def _answer(self, ident: bytes | UnixConn, rid: Any, reply: Reply) -> None:
         try:
             body = encode_reply(rid, reply, self._pack)
         except Exception as exc:  # a handler's result msgpack cannot carry: a bug, not a crash
@@ -169,8 +187,12 @@ class LocalApiServer:
             body = encode_reply(rid, Refusal("internal", f"internal error: reply not encodable: {exc}"), self._pack)
         self._reply(ident, body)
 
-    def _reply(self, ident: bytes, body: bytes) -> None:
+    def _reply(self, ident: bytes | UnixConn, body: bytes) -> None:
         """Answer at once; an engine whose pipe is full gets its answer when it reads again."""
+        if type(ident) is UnixConn:
+            ident.send(body)
+            return
+        assert type(ident) is bytes
         frames = [ident, body]
         assert self.link is not None
         try:
@@ -189,9 +211,12 @@ class LocalApiServer:
     def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        if self.link is not None:
+        if self.unix is not None:
+            self.unix.close()
+        elif self.link is not None:
             self.link.close(linger=0)
         else:
+            assert self.sock is not None
             self.sock.close(linger=0)
         path = ipc_path(self.endpoint)
         if path is not None:
