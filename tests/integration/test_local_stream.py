@@ -146,7 +146,10 @@ def test_connections_past_the_limit_are_closed_and_counted(endpoint: str, monkey
     try:
         a, b, c = (UnixWire(endpoint[7:]) for _ in range(3))
         assert _ask(a, PING) == PONG and _ask(b, PING) == PONG
-        c.send(msgpack.packb(PING, use_bin_type=True))
+        try:
+            c.send(msgpack.packb(PING, use_bin_type=True))  # may find it closed already
+        except (BrokenPipeError, ConnectionResetError):
+            pass
         assert _closed(c.sock)
         assert s.srv.refused["engine_too_many_connections"] == 1
         a.close()  # a place comes free
