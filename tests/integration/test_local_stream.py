@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -20,7 +21,7 @@ from transferd.errors import ClientTimeout
 from transferd.receiver import api as receiver_api
 from transferd.transport import local_stream
 from transferd.transport.local_api import MAX_LOCAL_REQUEST_BYTES
-from transferd.transport.local_stream import FRAME
+from transferd.transport.local_stream import FRAME, UnixConn
 
 
 def _served(endpoint: str) -> tuple[Served, FakeReceiver]:
@@ -54,6 +55,27 @@ def endpoint(tmp_path: Path) -> str:
     return f"unix://{tmp_path}/api/rx.sock"
 
 
+@pytest.fixture
+def served(endpoint: str) -> Iterator[tuple[Served, FakeReceiver]]:
+    s, fake = _served(endpoint)
+    try:
+        yield s, fake
+    finally:
+        s.close()
+
+
+def _signalled(monkeypatch: pytest.MonkeyPatch, method: str) -> threading.Semaphore:
+    """A semaphore released after each call of ``UnixConn.<method>`` on the daemon's loop (patched
+    before the connection is accepted: the loop holds the bound method)."""
+    sem, orig = threading.Semaphore(0), getattr(UnixConn, method)
+
+    def signalling(self: UnixConn, *a: object) -> None:
+        orig(self, *a)
+        sem.release()
+    monkeypatch.setattr(UnixConn, method, signalling)
+    return sem
+
+
 def test_the_socket_is_private_and_a_stale_file_is_replaced(tmp_path: Path) -> None:
     (tmp_path / "api").mkdir(mode=0o700)
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -71,34 +93,33 @@ def test_the_socket_is_private_and_a_stale_file_is_replaced(tmp_path: Path) -> N
     assert not (tmp_path / "api" / "rx.sock").exists()  # removed on close
 
 
-def test_a_frame_over_the_limit_closes_that_connection_only(endpoint: str) -> None:
-    s, fake = _served(endpoint)
-    try:
-        bad, good = UnixWire(endpoint[7:]), UnixWire(endpoint[7:])
-        assert _ask(good, PING) == PONG
-        bad.send(b"")  # connects; an empty frame is a request that does not decode
-        assert msgpack.unpackb(bad.recv(), raw=False)["code"] == "decode"
-        bad.sock.sendall(FRAME.pack(MAX_LOCAL_REQUEST_BYTES + 1) + b"x" * 100)
-        assert _closed(bad.sock)
-        assert s.srv.refused["engine_too_large"] == 1 and s.srv.refused["engine_decode"] == 1
-        assert _ask(good, {**PING, "id": 2}) == {**PONG, "id": 2}
-        assert fake.calls == []
-        bad.close()
-        good.close()
-    finally:
-        s.close()
+def test_a_frame_over_the_limit_closes_that_connection_only(endpoint: str, served: tuple[Served, FakeReceiver]) -> None:
+    s, fake = served
+    bad, good = UnixWire(endpoint[7:]), UnixWire(endpoint[7:])
+    assert _ask(good, PING) == PONG
+    bad.send(b"")  # connects; an empty frame is a request that does not decode
+    assert msgpack.unpackb(bad.recv(), raw=False)["code"] == "decode"
+    bad.sock.sendall(FRAME.pack(MAX_LOCAL_REQUEST_BYTES + 1) + b"x" * 100)
+    assert _closed(bad.sock)
+    assert s.srv.refused["engine_too_large"] == 1 and s.srv.refused["engine_decode"] == 1
+    assert _ask(good, {**PING, "id": 2}) == {**PONG, "id": 2}
+    assert fake.calls == []
+    bad.close()
+    good.close()
 
 
-def test_a_request_a_byte_at_a_time_and_many_in_one_write(endpoint: str) -> None:
+def test_a_request_a_byte_at_a_time_and_many_in_one_write(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = _signalled(monkeypatch, "_on_readable")
     s, _ = _served(endpoint)
     try:
         w = UnixWire(endpoint[7:])
         w.send(b"")  # connect
         w.recv()
+        assert reads.acquire(timeout=20)
         body = msgpack.packb(PING, use_bin_type=True)
-        for b in FRAME.pack(len(body)) + body:
+        for b in FRAME.pack(len(body)) + body:  # each byte read by a read of its own
             w.sock.sendall(bytes([b]))
-            time.sleep(0.001)
+            assert reads.acquire(timeout=20), "the daemon did not read the byte"
         assert msgpack.unpackb(w.recv(), raw=False) == PONG
         # more than one loop turn's budget of requests in one write: every one answered, in order
         n = 3 * local_stream.BUDGET + 5
@@ -129,9 +150,7 @@ def test_replies_left_unread_close_the_connection_and_others_are_served(
                 sent += 100
         except (BrokenPipeError, ConnectionResetError):
             pass
-        deadline = time.monotonic() + 20
-        while s.srv.refused["engine_unread_replies"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert _closed(hog)  # counted before it is closed
         assert s.srv.refused["engine_unread_replies"] == 1
         assert _ask(good, PING) == PONG  # the loop was never blocked
         hog.close()
@@ -142,6 +161,7 @@ def test_replies_left_unread_close_the_connection_and_others_are_served(
 
 def test_connections_past_the_limit_are_closed_and_counted(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(local_stream, "MAX_CONNECTIONS", 2)
+    closes = _signalled(monkeypatch, "close")  # the one past the limit is never a UnixConn
     s, _ = _served(endpoint)
     try:
         a, b, c = (UnixWire(endpoint[7:]) for _ in range(3))
@@ -153,9 +173,7 @@ def test_connections_past_the_limit_are_closed_and_counted(endpoint: str, monkey
         assert _closed(c.sock)
         assert s.srv.refused["engine_too_many_connections"] == 1
         a.close()  # a place comes free
-        deadline = time.monotonic() + 20
-        while len(s.srv.unix.conns) > 1 and time.monotonic() < deadline:  # type: ignore[union-attr]
-            time.sleep(0.01)
+        assert closes.acquire(timeout=20)
         d = UnixWire(endpoint[7:])
         assert _ask(d, PING) == PONG
         for w in (b, c, d):
@@ -164,23 +182,20 @@ def test_connections_past_the_limit_are_closed_and_counted(endpoint: str, monkey
         s.close()
 
 
-def test_a_client_gone_while_its_wait_runs_leaves_the_daemon_serving(endpoint: str) -> None:
-    s, fake = _served(endpoint)
-    try:
-        w = UnixWire(endpoint[7:])
-        _ask(w, {"id": 1, "v": V, "op": "expect", "room": 5, "group": "g", "dst_pages": [], "aux_slot": 0})
-        w.send(msgpack.packb({"id": 2, "v": V, "op": "wait", "group": "g", "room": 5, "timeout_s": 30},
-                             use_bin_type=True))
-        deadline = time.monotonic() + 20
-        while ("wait", "g", 5, 30.0) not in fake.calls and time.monotonic() < deadline:
-            time.sleep(0.01)
-        w.close()  # gone before the wait's answer
-        other = UnixWire(endpoint[7:])
-        assert _ask(other, {"id": 3, "v": V, "op": "release", "group": "g", "room": 5})["ok"] is True  # ends the wait
-        assert _ask(other, PING) == {**PONG, "id": 1}
-        other.close()
-    finally:
-        s.close()
+def test_a_client_gone_while_its_wait_runs_leaves_the_daemon_serving(
+        endpoint: str, served: tuple[Served, FakeReceiver]) -> None:
+    s, fake = served
+    w = UnixWire(endpoint[7:])
+    _ask(w, {"id": 1, "v": V, "op": "expect", "room": 5, "group": "g", "dst_pages": [], "aux_slot": 0})
+    w.send(msgpack.packb({"id": 2, "v": V, "op": "wait", "group": "g", "room": 5, "timeout_s": 30},
+                         use_bin_type=True))
+    assert _ask(w, {**PING, "id": 3})["id"] == 3  # served in order: the wait has started
+    assert ("wait", "g", 5, 30.0) in fake.calls
+    w.close()  # gone before the wait's answer
+    other = UnixWire(endpoint[7:])
+    assert _ask(other, {"id": 4, "v": V, "op": "release", "group": "g", "room": 5})["ok"] is True  # ends the wait
+    assert _ask(other, PING) == PONG
+    other.close()
 
 
 def test_the_client_waits_for_a_daemon_that_comes_up_and_survives_its_restart(tmp_path: Path) -> None:

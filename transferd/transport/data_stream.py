@@ -15,11 +15,11 @@ from typing import Any, Protocol
 
 from ..errors import StreamError
 from ..protocol.stream import HELLO_BYTES, HELLO_TIMEOUT_S, PREFIX, hello, prefix_problem
+from .accept import Acceptor
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_HELLOS = 64  # connections without a hello yet; beyond it the oldest is closed
-ACCEPT_PAUSE_S = 0.1  # out of descriptors: stop accepting for this long
 IOV_CHUNK = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
 SOCK_BUFFER = 4 << 20
 # the most one recv_into asks for: a read holds the socket's lock while it copies, and the peer's
@@ -437,40 +437,24 @@ class StreamServer:
         self.readers: set[StreamReader] = set()
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))  # one loop: one reader reads at a time
         self._busy = [0]
-        self._paused: asyncio.TimerHandle | None = None
         self.refused_unhelloed = 0
-        self.loop.add_reader(self.sock.fileno(), self._on_accept)
+        self.acceptor = Acceptor(self.loop, self.sock, self._on_conn, "data stream", 16)
 
-    def _on_accept(self) -> None:
-        for _ in range(16):
-            try:
-                conn, addr = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # out of descriptors or memory: the connection stays queued and
-                # the socket readable, so stop accepting for a while instead of spinning
-                log.warning("data stream: accept failed (%s); not accepting for %gs", exc, ACCEPT_PAUSE_S)
-                self.loop.remove_reader(self.sock.fileno())
-                self._paused = self.loop.call_later(ACCEPT_PAUSE_S, self._resume)
-                return
-            where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-            waiting = [r for r in self.readers if r.peer is None]
-            if len(waiting) >= MAX_PENDING_HELLOS:
-                # a flood of silent connections: a sender writes its hello as soon as it is
-                # connected, so the one that has waited longest goes
-                oldest = min(waiting, key=lambda r: r.accepted)
-                self.refused_unhelloed += 1
-                if self.refused_unhelloed in (1, 10, 100) or self.refused_unhelloed % 1000 == 0:
-                    log.warning("data stream: %d connections closed unheard (%d waiting for their hello at "
-                                "once; the oldest goes, from %s)", self.refused_unhelloed, MAX_PENDING_HELLOS,
-                                oldest.addr)
-                oldest.close()
-            _tune(conn)
-            self.readers.add(StreamReader(conn, where, self, self.max_payload, self._scratch, busy=self._busy))
-
-    def _resume(self) -> None:
-        self._paused = None
-        self.loop.add_reader(self.sock.fileno(), self._on_accept)
+    def _on_conn(self, conn: socket.socket, addr: Any) -> None:
+        where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        waiting = [r for r in self.readers if r.peer is None]
+        if len(waiting) >= MAX_PENDING_HELLOS:
+            # a flood of silent connections: a sender writes its hello as soon as it is
+            # connected, so the one that has waited longest goes
+            oldest = min(waiting, key=lambda r: r.accepted)
+            self.refused_unhelloed += 1
+            if self.refused_unhelloed in (1, 10, 100) or self.refused_unhelloed % 1000 == 0:
+                log.warning("data stream: %d connections closed unheard (%d waiting for their hello at "
+                            "once; the oldest goes, from %s)", self.refused_unhelloed, MAX_PENDING_HELLOS,
+                            oldest.addr)
+            oldest.close()
+        _tune(conn)
+        self.readers.add(StreamReader(conn, where, self, self.max_payload, self._scratch, busy=self._busy))
 
     # the server sits between the readers and the handler, to forget closed readers
     def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
@@ -484,9 +468,7 @@ class StreamServer:
         self.handler.stream_closed(reader, reason)
 
     def close(self) -> None:
-        if self._paused is not None:
-            self._paused.cancel()
-        self.loop.remove_reader(self.sock.fileno())
+        self.acceptor.close()
         self.sock.close()
         for r in list(self.readers):
             r.close()

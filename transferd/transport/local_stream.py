@@ -17,17 +17,16 @@ served it is not read (the client's sends block: backpressure, not memory)."""
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import os
 import socket
-import stat
 import struct
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ConfigError
+from .accept import Acceptor
+from .loop_socket import prepare_socket_path, restrict_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +36,6 @@ MAX_CONNECTIONS = 1024  # engine connections at once; more are closed as they co
 MAX_PENDING_REPLY_BYTES = 256 << 20  # replies a client has not read; past it the connection is closed
 READ_BYTES = 256 << 10  # the most one read takes
 BUDGET = 64  # requests served per loop callback of one connection
-ACCEPT_PAUSE_S = 0.1  # out of descriptors: stop accepting for this long
 
 
 def unix_path(endpoint: str) -> Path | None:
@@ -198,56 +196,36 @@ class UnixFront:
         self.max_request = max_request
         self.refused = refused
         self.conns: set[UnixConn] = set()
-        self.started = False
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if path.is_socket() or (path.exists() and not path.is_dir()):
-            path.unlink()  # a stale socket from a previous run
+        self.acceptor: Acceptor | None = None
+        prepare_socket_path(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.bind(str(path))
         except OSError as exc:
             self.sock.close()
             raise ConfigError(f"engine socket unix://{path}: cannot bind: {exc}") from None
-        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+        restrict_socket_path(path)
         self.sock.listen(128)
         self.sock.setblocking(False)
-        self._paused: asyncio.TimerHandle | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.started = loop, True
-        loop.add_reader(self.sock.fileno(), self._on_accept)
+        self.loop = loop
+        self.acceptor = Acceptor(loop, self.sock, self._on_conn, f"{self.name} engine API", 64)
 
-    def _on_accept(self) -> None:
-        for _ in range(64):
-            try:
-                sock, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("%s: engine connections not accepted for %.1fs: %s", self.name, ACCEPT_PAUSE_S, exc)
-                    self.loop.remove_reader(self.sock.fileno())
-                    self._paused = self.loop.call_later(ACCEPT_PAUSE_S, self._resume)
-                return
-            if len(self.conns) >= MAX_CONNECTIONS:
-                self.refused["engine_too_many_connections"] += 1
-                log.warning("%s: engine connection closed: %d connections already", self.name, len(self.conns))
-                sock.close()
-                continue
-            sock.setblocking(False)
-            conn = UnixConn(self, sock)
-            self.conns.add(conn)
-            self.loop.add_reader(conn.fd, conn._on_readable)
-
-    def _resume(self) -> None:
-        self._paused = None
-        self.loop.add_reader(self.sock.fileno(), self._on_accept)
+    def _on_conn(self, sock: socket.socket, _addr: object) -> None:
+        if len(self.conns) >= MAX_CONNECTIONS:
+            self.refused["engine_too_many_connections"] += 1
+            log.warning("%s: engine connection closed: %d connections already", self.name, len(self.conns))
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = UnixConn(self, sock)
+        self.conns.add(conn)
+        self.loop.add_reader(conn.fd, conn._on_readable)
 
     def close(self) -> None:
-        if self._paused is not None:
-            self._paused.cancel()
-        if self.started and self._paused is None:
-            self.loop.remove_reader(self.sock.fileno())
+        if self.acceptor is not None:
+            self.acceptor.close()
         for conn in list(self.conns):
             conn.close("")
         self.sock.close()

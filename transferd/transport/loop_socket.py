@@ -30,21 +30,32 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
 
 
-def prepare_ipc(endpoint: str) -> None:
-    """Create the directory of an ``ipc://`` endpoint, private to this user (0700)."""
-    path = ipc_path(endpoint)
-    if path is None:
-        return
+def prepare_socket_path(path: Path) -> None:
+    """Create a socket file's directory, private to this user (0700), and remove a stale socket
+    from a previous run (binding would otherwise fail or hijack)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if path.exists():
-        path.unlink()  # a stale socket from a previous run; binding would otherwise fail or hijack
+        path.unlink()
+
+
+def restrict_socket_path(path: Path) -> None:
+    """Make a socket file readable and writable by its owner only (0600)."""
+    if path.exists():
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+
+
+def prepare_ipc(endpoint: str) -> None:
+    """:func:`prepare_socket_path` for an ``ipc://`` endpoint."""
+    path = ipc_path(endpoint)
+    if path is not None:
+        prepare_socket_path(path)
 
 
 def restrict_ipc(endpoint: str) -> None:
-    """Make an ``ipc://`` socket file readable and writable by its owner only (0600)."""
+    """:func:`restrict_socket_path` for an ``ipc://`` endpoint."""
     path = ipc_path(endpoint)
-    if path is not None and path.exists():
-        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+    if path is not None:
+        restrict_socket_path(path)
 
 
 def configure(sock: zmq.Socket[Any], *, hwm: int = 0) -> None:
