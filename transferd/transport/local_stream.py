@@ -46,7 +46,7 @@ def unix_path(endpoint: str) -> Path | None:
 class UnixConn:
     """One engine connection: frames in, replies out (never blocking the loop)."""
 
-    __slots__ = ("_soon", "buf", "closed", "fd", "front", "out", "out_bytes", "reading", "sock")
+    __slots__ = ("buf", "closed", "fd", "front", "out", "out_bytes", "reading", "sock")
 
     def __init__(self, front: UnixFront, sock: socket.socket) -> None:
         self.front = front
@@ -57,7 +57,6 @@ class UnixConn:
         self.out_bytes = 0
         self.closed = False
         self.reading = True
-        self._soon = False
 
     def _on_readable(self) -> None:
         try:
@@ -76,9 +75,9 @@ class UnixConn:
     def _serve(self) -> None:
         """Hand on the whole frames in the buffer, at most ``BUDGET`` now; while more wait, the
         connection is not read, and the rest are served on the next loop iteration."""
-        self._soon = False
         buf, front = self.buf, self.front
         n = o = 0
+        more = False  # frames left for the next loop turn
         while not self.closed and len(buf) - o >= FRAME.size:
             (size,) = FRAME.unpack_from(buf, o)
             if size > front.max_request:
@@ -90,7 +89,7 @@ class UnixConn:
                 break
             if n == BUDGET:
                 self._pause()
-                self._soon = True
+                more = True
                 front.loop.call_soon(self._serve)
                 break
             body = bytes(buf[o + FRAME.size:end])
@@ -103,7 +102,7 @@ class UnixConn:
         if self.closed:
             return
         del buf[:o]
-        if not self._soon:
+        if not more:
             self._resume()
 
     def _pause(self) -> None:
