@@ -189,8 +189,10 @@ def test_a_client_gone_while_its_wait_runs_leaves_the_daemon_serving(
     _ask(w, {"id": 1, "v": V, "op": "expect", "room": 5, "group": "g", "dst_pages": [], "aux_slot": 0})
     w.send(msgpack.packb({"id": 2, "v": V, "op": "wait", "group": "g", "room": 5, "timeout_s": 30},
                          use_bin_type=True))
-    assert _ask(w, {**PING, "id": 3})["id"] == 3  # served in order: the wait has started
-    assert ("wait", "g", 5, 30.0) in fake.calls
+    deadline = time.monotonic() + 20
+    while ("wait", "g", 5, 30.0) not in fake.calls:  # the wait's coroutine starts a loop turn later:
+        assert time.monotonic() < deadline, "the wait never started"
+        assert _ask(w, {**PING, "id": 3})["id"] == 3  # each round trip gives the loop a turn
     w.close()  # gone before the wait's answer
     other = UnixWire(endpoint[7:])
     assert _ask(other, {"id": 4, "v": V, "op": "release", "group": "g", "room": 5})["ok"] is True  # ends the wait
