@@ -281,10 +281,11 @@ class StreamReader:
         t = self._target
         if t is not None and t.alive is not None and not t.alive():
             self._drop_rest()
-        chunk = RECV_CHUNK if self._busy[0] <= 1 else MULTI_RECV_CHUNK
         for _ in range(self.budget):
             if self.closed or self._paused is not None:
                 return
+            # at each read: a record's header read in this call may have just entered its payload
+            chunk = RECV_CHUNK if self._busy[0] <= 1 else MULTI_RECV_CHUNK
             views, vi, got = self._views, self._vi, self._got
             view = views[vi]
             left = len(view) - got
