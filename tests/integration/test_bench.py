@@ -149,6 +149,8 @@ def test_small_rooms_at_cp1_and_cp8(run: tuple[dict[str, Any], str]) -> None:
         assert s["cp_size"] == cp
         assert _pos(s["p50_ms"]) and _pos(s["p99_ms"]) and s["p99_ms"] >= s["p50_ms"]
         assert _pos(s["rooms_per_s"]) and s["latency_samples"] > 0
+        # the batch's CPU per room (Linux: /proc), every rank's summed on the sender side
+        assert _pos(s["receiver_cpu_us_per_room"]) and _pos(s["sender_cpu_us_per_room"])
 
 
 def test_dedup_table_is_exact_from_the_byte_counters(run: tuple[dict[str, Any], str]) -> None:

@@ -183,6 +183,9 @@ def _small(f: Figures, b: Bench) -> dict[str, Any]:
             "rooms_per_s_rounds": f.rounds(f"small/{cp}", "rooms_per_s", 1),
             "rooms_in_flight": b.plan.small_batch_rooms,
             "engine_rpc_rtt_us": rnd(f.med(f"small/{cp}", "rpc_rtt_us"), 1),
+            # CPU per room of the batched rounds (not timed: less moved by a noisy host than rooms/s)
+            "receiver_cpu_us_per_room": rnd(f.med(f"small/{cp}", "receiver_cpu_us_per_room"), 1),
+            "sender_cpu_us_per_room": rnd(f.med(f"small/{cp}", "sender_cpu_us_per_room"), 1),
         }
     assert b.ds is not None
     lay = b.ds.layout
@@ -612,11 +615,12 @@ def format_table(out: dict[str, Any]) -> str:
     lines.append(f"small rooms (1 page of {sr['room']['kv_bytes'] // 1024} KiB over {sr['room']['messages_per_room_rank0'] - 1} "
                  f"KV buffers + aux, no state; expect → Success from the decode engine):")
     lines.append("  cp   p50 ms   p99 ms   rooms/s (" + f"{sr['cp1']['rooms_in_flight']} in flight, batched)   "
-                 "engine API round trip (ping) µs")
+                 "engine API round trip (ping) µs   CPU µs/room: receiver, senders")
     for cp in SMALL_CPS:
         s = sr[f"cp{cp}"]
         lines.append(f"  {cp:<3}{_f(s['p50_ms'], '{:.3f}').rjust(7)}  {_f(s['p99_ms'], '{:.3f}').rjust(7)}  "
-                     f"{_f(s['rooms_per_s'], '{:.0f}').rjust(8)}  {_f(s['engine_rpc_rtt_us'], '{:.0f}').rjust(27)}")
+                     f"{_f(s['rooms_per_s'], '{:.0f}').rjust(8)}  {_f(s['engine_rpc_rtt_us'], '{:.0f}').rjust(27)}"
+                     f"  {_f(s['receiver_cpu_us_per_room'], '{:.0f}').rjust(20)}, {_f(s['sender_cpu_us_per_room'], '{:.0f}')}")
     lines.append("")
     d = out["dedup"]
     lines.append(f"CP de-dup, {d['config']} ({d['model']}): a {d['room_tokens']}-token room, KV "

@@ -396,16 +396,25 @@ class Bench:
                             for i, room in enumerate(rooms)])
         for i in range(0, K, p.small_verify_every):
             fleet.poison(c, np.array([dst_pages[i]]), {}, i)
+        assert c.rx is not None
+        pids = [c.rx.proc.pid] + [pr.proc.pid for pr in g.procs]
+        cpu0 = [cpu_seconds(pid) for pid in pids]
         t0 = time.perf_counter()
         c.dc.expect_many([dict(room=room, group=g.name, dst_pages=[int(dst_pages[i])], aux_slot=i)
                           for i, room in enumerate(rooms)])
         ok = fleet.wait_all(c, [(g.name, room) for room in rooms])
         dt = time.perf_counter() - t0
+        cpu1 = [cpu_seconds(pid) for pid in pids]
         for i in range(0, K, p.small_verify_every):
             check(i, i)
         fleet.release(c, [(g.name, room) for room in rooms])
-        return {"rooms_per_s": K / dt if ok == K else None, "p50_ms": 1e3 * float(np.percentile(lat, 50)) if lat else None,
-                "rpc_rtt_us": 1e6 * float(np.median(rtt))}
+        out = {"rooms_per_s": K / dt if ok == K else None, "p50_ms": 1e3 * float(np.percentile(lat, 50)) if lat else None,
+               "rpc_rtt_us": 1e6 * float(np.median(rtt))}
+        if None not in cpu0 and None not in cpu1:  # the batch's CPU, per room: the receiver's, the ranks' summed
+            d = [b - a for a, b in zip(cpu0, cpu1)]  # type: ignore[operator]
+            out["receiver_cpu_us_per_room"] = 1e6 * d[0] / K
+            out["sender_cpu_us_per_room"] = 1e6 * sum(d[1:]) / K
+        return out
 
     def mooncake_tcp(self, key: str) -> dict[str, Any]:
         return self.limits.mooncake_tcp(key, self.notes)
