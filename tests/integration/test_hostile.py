@@ -32,8 +32,10 @@ from transferd.config import from_mapping
 from transferd.layout import PoolLayout, layout_difference
 from transferd.pool import Pool
 from transferd.protocol.messages import (
+    MAX_BUNDLE_MSGS,
     PROTOCOL_VERSION,
     Assign,
+    Bundle,
     Done,
     Fail,
     Ping,
@@ -106,6 +108,7 @@ class Fake:
         self.sock.setsockopt(zmq.SNDTIMEO, 10_000)
         self.sock.connect(endpoint)
         self.inbox: list[dict[str, Any]] = []
+        self.bundles = 0  # bundles received
         self.stream: socket.socket | None = None
         self.offer: dict[str, Any] = {}  # the registered answer whose stream use_stream opened
 
@@ -138,10 +141,17 @@ class Fake:
         frames = self.sock.recv_multipart()
         assert len(frames) == 1, f"receiver sent {len(frames)} frames"
         msg = msgpack.unpackb(frames[0], raw=False)
-        if msg.get("t") == "ping":
-            self.ctrl(Pong(msg["seq"]).header())
-        else:
-            self.inbox.append(msg)
+        msgs = [msg]
+        if msg.get("t") == "bundle":  # several in one (PROTOCOL §3.1): each entry a message as sent alone
+            assert msg["v"] == PROTOCOL_VERSION and 2 <= len(msg["msgs"]) <= MAX_BUNDLE_MSGS, msg
+            msgs = [msgpack.unpackb(e, raw=False) for e in msg["msgs"]]
+            assert all(m["t"] in ("registered", "assign", "status", "ping", "pong") for m in msgs), msgs
+            self.bundles += 1
+        for m in msgs:
+            if m.get("t") == "ping":
+                self.ctrl(Pong(m["seq"]).header())
+            else:
+                self.inbox.append(m)
         return True
 
     def pump(self) -> None:
@@ -307,6 +317,8 @@ GARBAGE: list[tuple[str, list[bytes], str]] = [
     ("ping-unregistered", [pack(Ping(1).header())], "unregistered"),
     ("done-unregistered", [pack(Done(1, 0, 0, 0, 0).header())], "unregistered"),
     ("fail-unregistered", [pack(Fail(1, "x", "y").header())], "unregistered"),
+    ("bundle-bad-entry", [pack({"t": "bundle", "v": PROTOCOL_VERSION, "msgs": [b"\xc1"]})], "decode"),
+    ("bundle-unregistered", [pack(Bundle((Ping(1), Ping(2))).header())], "unregistered"),
 ]
 
 
@@ -715,6 +727,24 @@ ROOM_CASES: list[tuple[str, Callable[[FakeRoom], None], str, str | None, dict[st
     ("done-nothing-sent", case_done_with_nothing_sent, "incomplete", None, {}, {}),
     ("done-one-kv-row-missing", case_done_missing_one_kv_row, "incomplete", None, {}, {}),
 ]
+
+
+def test_a_batch_of_expects_reaches_the_sender_in_bundles_in_order(guard: Env) -> None:
+    """PROTOCOL §3.1: the receiver's messages to one sender in one loop iteration go in bundles
+    (the first alone at once); every assign arrives once, in the order of the batch. A bundle
+    sent *to* a receiver is refused."""
+    env = guard
+    f, group = fake_sender(env)
+    rids = [next(env.ids) for _ in range(40)]
+    env.dc.expect_many([dict(room=r, group=group, dst_pages=[i], aux_slot=i % 48) for i, r in enumerate(rids)])
+    got = [f.next("assign") for _ in rids]
+    assert [(a["room"], a["dst"], a["aux"]) for a in got] == [(r, [i], i % 48) for i, r in enumerate(rids)]
+    assert f.bundles >= 1, "40 assigns in one engine call, none bundled"
+    assert len({a["tok"] for a in got}) == len(rids)
+    before, logs = env.refused(), env.log_lines("unexpected_type")
+    f.ctrl(Bundle((Ping(1), Pong(2))).header())
+    assert_refused_once(env, before, logs, "unexpected_type")
+    env.dc.release_many([(r, group) for r in rids])
 
 
 @pytest.mark.parametrize("channel", ["zmq", "stream"])

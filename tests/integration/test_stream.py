@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from transferd.pool import Pool
-from transferd.protocol.messages import Assign, Ping, Registered, Status
+from transferd.protocol.messages import PROTOCOL_VERSION, Assign, Bundle, Ping, Registered, Status
 from transferd.protocol.room import RoomState
 
 from .harness import Cluster, fill_random, write_guard
@@ -196,3 +196,33 @@ def test_a_sender_stops_asking_for_streams_that_end_unused(cluster: Cluster, fak
         assert "3 data streams to" in log and "ended before carrying anything" in log
     finally:
         listener.close()
+
+
+def test_a_sender_takes_a_bundle_entry_by_entry_and_refuses_a_bad_one_whole(cluster: Cluster,
+                                                                          fake: FakeReceiver) -> None:
+    """PROTOCOL §3.1: registered and assign in one bundle (no stream offered: the data takes
+    ZeroMQ), every byte as planned; the status in a bundle with a ping (answered). A bundle with
+    one undecodable entry is refused whole and counted; its good entries are not acted on."""
+    pc, pool, ident, _ = _start(cluster, fake)
+    comps = pool.layout.state_components
+    pc.submit(ROOM, 0, SRC_PAGES, last=True, state={c: [STATE_SRC] for c in comps}, aux_slot=AUX_SRC)
+    fake.send(ident, Bundle((Registered(True, "", "fake", 77),
+                             Assign(TOK, ROOM, len(DST_PAGES), 0, DST_PAGES, {c: (STATE_DST,) for c in comps}, AUX_DST))))
+    got = 0
+    while got < sum(_planned(pool)):
+        _, head, frames = fake.next("data")
+        entries = [head[2:6]] if head[0] == 1 else head[2]
+        for (kind, buffer, pos, count), frame in zip((e[:4] for e in entries), frames):
+            assert frame == _want(pool, kind, buffer, pos, count)
+            got += len(frame)
+    _, done, _ = fake.next("done")
+    assert got == sum(_planned(pool)) and tuple(done["bytes"]) == _planned(pool)
+    bad = msgpack.packb({"t": "bundle", "v": PROTOCOL_VERSION,
+                         "msgs": [msgpack.packb(Status(TOK, ROOM, "failed", "x", "y").header()), b"\xc1"]})
+    fake.sock.send_multipart([ident, bad])
+    cluster.until(lambda: pc.stats()["refused"].get("decode") == 1, "the bad bundle's refusal")
+    assert not pc.poll(ROOM).state.terminal  # its good first entry (a failure) was not taken either
+    fake.send(ident, Bundle((Ping(5), Status(TOK, ROOM, "success"))))
+    _, pong, _ = fake.next("pong")
+    assert pong["seq"] == 5
+    assert pc.wait(ROOM, 10).state is RoomState.SUCCESS

@@ -14,11 +14,13 @@ from transferd.layout import ModelSpec
 from transferd.protocol.messages import (
     CONTROL_TYPES,
     DATA_TAG,
+    MAX_BUNDLE_MSGS,
     MAX_HEADER_BYTES,
     MAX_NIXL_MD,
     PROTOCOL_VERSION,
     U64_MAX,
     Assign,
+    Bundle,
     Data,
     Done,
     Fail,
@@ -59,6 +61,7 @@ SAMPLES: list[Message] = [
     Status(tok=1, room=2, state="failed", code="peer_lost", reason="rank 3 gone"),
     Ping(seq=0),
     Pong(seq=U64_MAX),
+    Bundle((Status(tok=1, room=2, state="success"), Ping(seq=3))),
 ]
 
 
@@ -442,3 +445,50 @@ def test_data_header_limits_inclusive() -> None:
     )
     assert decode_header(_data(1, 0, 0, 0, 0, 1, U64_MAX)) == Data(0, 0, 0, 0, 1, checksum=U64_MAX)
     assert decode_header(_data(1, 0, 0, 0, 0, 1, 0)).checksum == 0
+
+
+# -- bundles (PROTOCOL §3.1) --------------------------------------------------------------
+
+def _bundle(entries: list[Any], **fields: Any) -> bytes:
+    return msgpack.packb({"t": "bundle", "v": PROTOCOL_VERSION, "msgs": entries} | fields, use_bin_type=True)
+
+
+def test_a_bundle_carries_its_entries_in_order_exactly_as_sent_alone() -> None:
+    msgs = [Registered(True, "", "rx", 7), ASSIGN, Status(tok=1, room=2, state="failed", code="timeout"),
+            Ping(seq=9), Pong(seq=1)]
+    back = decode_header(encode(Bundle(tuple(msgs))))
+    assert isinstance(back, Bundle) and list(back.msgs) == msgs
+    assert back.frames == tuple(encode(m) for m in msgs)
+    # the entries' bytes are sent as given (a receiver encodes each message once)
+    frames = tuple(encode(m) for m in msgs)
+    assert decode_header(encode(Bundle(tuple(msgs), frames))) == back
+
+
+@pytest.mark.parametrize("entries,why", [
+    ([], "bundle with 0 entries"),
+    ([encode(Ping(1))] * (MAX_BUNDLE_MSGS + 1), f"bundle with {MAX_BUNDLE_MSGS + 1} entries"),
+    (["ping"], "bundle entry 0: must be bin"),
+    ([{"t": "ping", "v": PROTOCOL_VERSION, "seq": 1}], "bundle entry 0: must be bin"),
+    ([encode(Ping(1)), b"\xc1"], "bundle entry 1: malformed msgpack"),
+    ([encode(Done(tok=9, rank=0, kv_bytes=1, state_bytes=0, aux_bytes=0))], "bundle entry 0: Done cannot be bundled"),
+    ([msgpack.packb([1, 7, 0, 0, 0, 1])], "bundle entry 0: Data cannot be bundled"),
+    ([encode(Ping(1)), _bundle([encode(Ping(2))])], "bundle entry 1: Bundle cannot be bundled"),
+])
+def test_a_bad_bundle_is_refused_whole_naming_the_entry(entries: list[Any], why: str) -> None:
+    with pytest.raises(DecodeError, match=why):
+        decode_header(_bundle(entries))
+
+
+def test_a_bundle_entry_of_another_version_is_a_version_error() -> None:
+    entry = msgpack.packb({"t": "ping", "v": PROTOCOL_VERSION + 1, "seq": 1})
+    with pytest.raises(VersionMismatch, match="bundle entry 1: ping: protocol version"):
+        decode_header(_bundle([encode(Ping(1)), entry]))
+
+
+def test_bundles_nested_deeply_are_refused_at_the_first_level() -> None:
+    frame = encode(Ping(1))
+    for _ in range(2000):  # decoded level by level, it would overflow the stack
+        frame = _bundle([frame])
+    with pytest.raises(DecodeError, match="bundle entry 0: Bundle cannot be bundled"):
+        decode_header(frame)
+

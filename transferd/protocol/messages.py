@@ -33,7 +33,11 @@ from ..errors import DecodeError, VersionMismatch
 #       it, te_session is that agent's name and te_addrs its registered buffers' addresses, and
 #       registered.te says the receiver reads them with its own NIXL agent. A version-4 receiver
 #       would take such a register for a Mooncake offer, so the versions do not mix.
-PROTOCOL_VERSION = 5
+#   6 — bundles: a receiver sends a sender the control messages of one loop iteration in one
+#       "bundle" message (each entry the bytes of the message alone, in order), so a batch of
+#       rooms is one ZeroMQ message per rank instead of one per room. A version-5 sender would
+#       refuse a bundle as an unknown type, so the versions do not mix.
+PROTOCOL_VERSION = 6
 MAX_TE_SESSION = 255  # "host:port" of an engine, or a NIXL agent's name; longer is hostile
 MAX_NIXL_MD = 1 << 20  # a NIXL agent's metadata: ~45 bytes a buffer per transport on TCP; more is hostile
 
@@ -400,11 +404,52 @@ class Pong:
         return cls(seq=_int(d, "seq", "pong"))
 
 
-Control = Register | Registered | Assign | Done | Fail | Status | Ping | Pong
+MAX_BUNDLE_MSGS = 1024  # entries of one bundle
+BUNDLE_BYTES = 64 << 10  # a receiver starts a new bundle past this many bytes of entries (a larger message goes alone)
+
+
+@dataclass(frozen=True, slots=True)
+class Bundle:
+    """Control messages from a receiver to one sender, in the order it sent them, in one ZeroMQ
+    message: each entry is the encoded message exactly as it would travel alone (its own type
+    and version), decoded and checked as such. Only the messages a receiver sends a sender may
+    be bundled (``BUNDLED``); a bundle with any bad entry is refused whole."""
+
+    T: ClassVar[str] = "bundle"
+    msgs: tuple[Any, ...]  # the decoded entries (Registered, Assign, Status, Ping or Pong)
+    frames: tuple[bytes, ...] = field(default=(), compare=False)  # the entries as encoded (what :meth:`header` sends)
+
+    def header(self) -> dict[str, Any]:
+        return {"t": self.T, "v": PROTOCOL_VERSION, "msgs": list(self.frames or map(encode, self.msgs))}
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Bundle:
+        raw = _req(d, "msgs", list, "bundle")
+        if not 1 <= len(raw) <= MAX_BUNDLE_MSGS:
+            raise DecodeError(f"bundle with {len(raw)} entries (1 to {MAX_BUNDLE_MSGS})")
+        msgs = []
+        for i, frame in enumerate(raw):
+            if type(frame) is not bytes:
+                raise DecodeError(f"bundle entry {i}: must be bin (an encoded message), not {type(frame).__name__}")
+            try:
+                msg = decode_header(frame, _in_bundle=True)
+            except DecodeError as exc:
+                raise DecodeError(f"bundle entry {i}: {exc}") from None
+            except VersionMismatch as exc:
+                raise VersionMismatch(f"bundle entry {i}: {exc}", exc.msg_type) from None
+            if not isinstance(msg, BUNDLED):
+                raise DecodeError(f"bundle entry {i}: {type(msg).__name__} cannot be bundled "
+                                  "(registered, assign, status, ping and pong only)")
+            msgs.append(msg)
+        return cls(tuple(msgs), tuple(raw))
+
+
+BUNDLED = (Registered, Assign, Status, Ping, Pong)
+Control = Register | Registered | Assign | Done | Fail | Status | Ping | Pong | Bundle
 Message = Control | Data | DataRef | DataRefs | DataBatch
 
 CONTROL_TYPES: dict[str, Any] = {
-    c.T: c for c in (Register, Registered, Assign, Done, Fail, Status, Ping, Pong)
+    c.T: c for c in (Register, Registered, Assign, Done, Fail, Status, Ping, Pong, Bundle)
 }
 
 
@@ -424,7 +469,7 @@ def _data_fields(tok: int, kind: int, buf: int, pos: int, count: int, csum: int 
     return Data(tok, kind, buf, pos, count, csum)
 
 
-def decode_header(frame: bytes | memoryview, limit: int = MAX_HEADER_BYTES) -> Message:
+def decode_header(frame: bytes | memoryview, limit: int = MAX_HEADER_BYTES, *, _in_bundle: bool = False) -> Message:
     """Decode a header frame of at most ``limit`` bytes; raises :class:`DecodeError` or
     :class:`VersionMismatch` with a reason that names the problem. Never evaluates anything but
     msgpack scalars and containers."""
@@ -473,6 +518,8 @@ def decode_header(frame: bytes | memoryview, limit: int = MAX_HEADER_BYTES) -> M
     cls = CONTROL_TYPES.get(t) if isinstance(t, str) else None
     if cls is None:
         raise DecodeError(f"unknown message type {t!r}")
+    if _in_bundle and cls is Bundle:  # refused before its entries are looked at: no nesting
+        raise DecodeError("Bundle cannot be bundled")
     v = obj.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
         raise VersionMismatch(f"{t}: protocol version {v!r}, this side speaks {PROTOCOL_VERSION}", str(t))

@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import BadRequest, FailureCode, IndexOutOfRange
 from ..layout import PoolLayout
 from ..types import ConnState, PlaneName, SplitMode
-from .messages import Assign, Control, Fail, Message, Ping, Pong, Register, Registered, Status
+from .messages import Assign, Bundle, Control, Fail, Message, Ping, Pong, Register, Registered, Status
 from .policy import RankPlan, rank_plan
 from .room import RoomState, RoomStatus, advance
 
@@ -247,7 +247,10 @@ class SenderCore:
     def received(self, conn_id: ConnId, msg: Message, now: float) -> None:
         """A decoded message from the connection's receiver."""
         conn = self.conns[conn_id]
-        if isinstance(msg, Registered):
+        if isinstance(msg, Bundle):  # its entries in order, each as if it had come alone
+            for m in msg.msgs:
+                self.received(conn_id, m, now)
+        elif isinstance(msg, Registered):
             self._on_registered(conn, msg, now)
         elif isinstance(msg, Ping):
             self.actions.append(SendControl(conn_id, Pong(msg.seq), False))
