@@ -264,9 +264,10 @@ class Receiver(AgentBase):
         frame = encode(msg)
         box = self._outbox.get(ident)
         if box is None or self.loop is None:
-            if not self._outbox and self.loop is not None:
-                self.loop.call_soon(self.flush_sends)
-            self._outbox[ident] = []
+            if self.loop is not None:  # (not running yet: each goes at once, nothing queued)
+                if not self._outbox:
+                    self.loop.call_soon(self.flush_sends)
+                self._outbox[ident] = []
             self._send_frame(ident, frame, [msg])
             return
         box.append((msg, frame))
