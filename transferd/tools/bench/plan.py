@@ -163,6 +163,16 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def cpu_since(pids: list[int], before: list[float | None]) -> list[float] | None:
+    """CPU seconds each process used since ``before`` (its :func:`cpu_seconds` then); None when
+    any of them cannot be measured."""
+    now = [cpu_seconds(pid) for pid in pids]
+    if None in now or None in before:
+        return None
+    return [b - a for a, b in zip(before, now)]  # type: ignore[operator]
+
+
+
 class Filler:
     """Distinct pseudo-random bytes per row at memcpy speed: slices of one random block, each row
     starting at a different offset; pools filled with different seeds never share a row."""

@@ -36,6 +36,7 @@ from .plan import (
     Plan,
     cp8_pages_per_room,
     cpu_seconds,
+    cpu_since,
     schedule,
 )
 from .sglang_room import SglangRoomBench
@@ -223,7 +224,8 @@ class Bench:
         fleet.poison(c, rooms[0][2], {}, 0)
         s0 = pc.stats()
         shm0, stream0, mc0 = (int(s0.get(k, 0)) for k in ("shm_bytes", "stream_bytes", "mooncake_bytes"))
-        cpu0 = [cpu_seconds(c.rx.proc.pid), cpu_seconds(g.procs[0].proc.pid)]
+        pids = [c.rx.proc.pid, g.procs[0].proc.pid]
+        cpu0 = [cpu_seconds(pid) for pid in pids]
         expects = [{"room": room, "group": g.name, "dst_pages": dst.tolist(), "aux_slot": j}
                    for j, (room, _, dst) in enumerate(rooms)]
         t0 = time.perf_counter()
@@ -232,7 +234,7 @@ class Bench:
                 raise TransferdError(f"bench: expect refused: {st}")
         ok = fleet.wait_all(c, [(g.name, room) for room, _, _ in rooms])
         dt = time.perf_counter() - t0
-        cpu1 = [cpu_seconds(c.rx.proc.pid), cpu_seconds(g.procs[0].proc.pid)]
+        cpu = cpu_since(pids, cpu0)
         s1 = pc.stats()
         shm, stream = int(s1.get("shm_bytes", 0)) - shm0, int(s1.get("stream_bytes", 0)) - stream0
         mc = int(s1.get("mooncake_bytes", 0)) - mc0
@@ -243,10 +245,8 @@ class Bench:
         out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
                                "shm_share": shm / nbytes, "stream_share": stream / nbytes,
                                "mooncake_share": mc / nbytes}
-        if None not in cpu0 and None not in cpu1:
-            gb = nbytes / 1e9
-            out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
-            out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
+        if cpu is not None:
+            out["receiver_cpu_s_per_gb"], out["sender_cpu_s_per_gb"] = (x / (nbytes / 1e9) for x in cpu)
         return out
 
     def bulk_cp8(self) -> dict[str, Any]:
@@ -278,7 +278,7 @@ class Bench:
                 raise TransferdError(f"bench: expect refused: {st}")
         ok = fleet.wait_all(c, [(g.name, room) for room, _ in rooms])
         dt = time.perf_counter() - t0
-        cpu1 = [cpu_seconds(pid) for pid in pids]
+        d = cpu_since(pids, cpu0)
         stream = sum(int(pc.stats().get("stream_bytes", 0)) for pc in g.pcs) - stream0
         bad0 = fleet.mismatched
         fleet.verify(c, g, rooms[0][1], self.cp8_src[0], {}, {}, 0, 0)
@@ -288,9 +288,8 @@ class Bench:
         nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
         out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
                                "stream_share": stream / nbytes, "bytes": nbytes}
-        if None not in cpu0 and None not in cpu1:
+        if d is not None:
             gb = nbytes / 1e9
-            d = [b - a for a, b in zip(cpu0, cpu1)]  # type: ignore[operator]
             out["receiver_cpu_s_per_gb"] = d[0] / gb
             out["sender_cpu_s_per_gb"] = sum(d[1:]) / gb  # the eight ranks summed
             out["sender_cpu_s_per_gb_max_rank"] = max(d[1:]) / gb
@@ -404,14 +403,13 @@ class Bench:
                           for i, room in enumerate(rooms)])
         ok = fleet.wait_all(c, [(g.name, room) for room in rooms])
         dt = time.perf_counter() - t0
-        cpu1 = [cpu_seconds(pid) for pid in pids]
+        d = cpu_since(pids, cpu0)
         for i in range(0, K, p.small_verify_every):
             check(i, i)
         fleet.release(c, [(g.name, room) for room in rooms])
         out = {"rooms_per_s": K / dt if ok == K else None, "p50_ms": 1e3 * float(np.percentile(lat, 50)) if lat else None,
                "rpc_rtt_us": 1e6 * float(np.median(rtt))}
-        if None not in cpu0 and None not in cpu1:  # the batch's CPU, per room: the receiver's, the ranks' summed
-            d = [b - a for a, b in zip(cpu0, cpu1)]  # type: ignore[operator]
+        if d is not None:  # the batch's CPU, per room: the receiver's, the ranks' summed
             out["receiver_cpu_us_per_room"] = 1e6 * d[0] / K
             out["sender_cpu_us_per_room"] = 1e6 * sum(d[1:]) / K
         return out
