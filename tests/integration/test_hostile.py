@@ -1766,7 +1766,7 @@ def test_a_peer_that_shrinks_unlinks_or_replaces_its_pool_fails_its_rooms_only(g
     assert st.state is RoomState.FAILED and st.code == "no_shm", st
     word = {"truncate": "shrank to 4096 bytes", "unlink": "was unlinked", "replace": "was replaced"}[how]
     assert word in st.reason and spool.name in st.reason, st.reason
-    assert env.refused()["no_shm"] == before["no_shm"] + 1
+    assert env.refused().get("no_shm", 0) == before.get("no_shm", 0) + 1
     r.check_pool()  # nothing written
     env.dc.release(r.room, group)
     # the receiver is alive and another same-host group completes a room byte-exact
