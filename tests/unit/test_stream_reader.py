@@ -18,7 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transferd.protocol.stream import HELLO_MAGIC, KEY_BYTES, PREFIX
-from transferd.transport.data_stream import MULTI_RECV_CHUNK, RECV_CHUNK, StreamReader, Target
+from transferd.transport.data_stream import (
+    MULTI_RECV_CHUNK,
+    READ_AHEAD,
+    RECV_CHUNK,
+    STEPS_PER_CALL,
+    StreamReader,
+    Target,
+)
 
 
 class CountingSocket:
@@ -150,6 +157,85 @@ def test_streams_in_a_payload_at_once_read_larger_chunks_and_the_count_returns_t
     assert any(n > RECV_CHUNK for n in asked), asked[:20]  # the second stream read in larger chunks
     assert seen == [1, 1, 0]
     assert closed == [""]
+
+
+def _flood(n: int, pause_after: int | None = None) -> tuple[list[bytes], list[int], int, list[str]]:
+    """``n`` records without a payload (a batch's ``done`` records) written at once; returns the
+    headers the handler saw, the reads' sizes, how many turns a ticking task got meanwhile and
+    the close reasons. ``pause_after``: the reader pauses for 50 ms after that many records."""
+
+    async def main() -> tuple[list[bytes], list[int], int, list[str]]:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        seen: list[bytes] = []
+        closed: list[str] = []
+        all_in = asyncio.get_running_loop().create_future()
+
+        class Dones:
+            def stream_hello(self, reader: StreamReader, hello: bytes) -> bool:
+                return True
+
+            def stream_record(self, reader: StreamReader, header: bytes, payload_len: int) -> Target:
+                assert payload_len == 0
+                seen.append(header)
+                if len(seen) == pause_after:
+                    reader.pause(0.05)
+                if len(seen) == n:
+                    all_in.set_result(None)
+                return Target([])
+
+            def stream_closed(self, reader: StreamReader, reason: str) -> None:
+                closed.append(reason)
+
+        counted = CountingSocket(a)
+        reader = StreamReader(counted, "flood", Dones(), max_payload=1 << 20, scratch=memoryview(bytearray(64)))
+        ticks = [0]
+
+        async def tick() -> None:
+            while not all_in.done():
+                ticks[0] += 1
+                await asyncio.sleep(0)
+        ticker = asyncio.ensure_future(tick())
+        data = HELLO_MAGIC + b"k" * KEY_BYTES + b"".join(PREFIX.pack(4, 0) + b"d%03d" % (i % 1000) for i in range(n))
+        writer = threading.Thread(target=b.sendall, args=(data,))  # in one call: as fast as the socket takes it
+        writer.start()
+        await asyncio.wait_for(all_in, 30)
+        await ticker
+        await asyncio.to_thread(writer.join)
+        reader.close()
+        b.close()
+        return seen, counted.asked, ticks[0], closed
+
+    return asyncio.run(main())
+
+
+def test_records_behind_a_header_come_in_the_same_read_in_order() -> None:
+    """A batch's ``done`` records (12 bytes each here) written back to back are taken from one
+    read ahead of READ_AHEAD bytes each, not two reads a record, every one in order."""
+    n = 3000
+    seen, asked, _, closed = _flood(n)
+    assert seen == [b"d%03d" % (i % 1000) for i in range(n)]
+    assert max(asked) <= READ_AHEAD
+    assert len(asked) <= n * 12 // READ_AHEAD + 4 + n // (STEPS_PER_CALL // 2), (len(asked), asked[:10])
+    assert closed == [""]
+
+
+def test_a_flood_of_tiny_records_leaves_the_loop_turns() -> None:
+    """Records read ahead are taken without a read, so the read budget alone does not bound a
+    callback: STEPS_PER_CALL does. 20,000 records written at once let another task run at least
+    once every STEPS_PER_CALL steps (two a record here), not once in the whole flood."""
+    n = 20_000
+    seen, _, ticks, _ = _flood(n)
+    assert len(seen) == n
+    assert ticks >= n * 2 // STEPS_PER_CALL // 2, ticks
+
+
+def test_records_read_ahead_before_a_pause_are_taken_after_it() -> None:
+    """A pause (a slow decode side) may start with records already read ahead and nothing more
+    coming on the socket: they are acted on once it ends, in order."""
+    n = 50
+    seen, _, _, _ = _flood(n, pause_after=7)
+    assert seen == [b"d%03d" % i for i in range(n)]
 
 
 # -- property: any views, any chunking of the sender's writes, any abort point --------------------

@@ -31,6 +31,14 @@ MAX_SCATTER = 64  # views one read may fill (IOV_MAX is 1024)
 # group's ranks into one receiver): fewer, larger reads mean fewer window updates and fewer
 # wake-ups of the senders; CP8 bulk moved 1.25-1.34x faster at 512 KiB than at 64 KiB (docs/PERFORMANCE.md)
 MULTI_RECV_CHUNK = 512 << 10
+# a hello, a record's prefix or header is read into a buffer of this size, and with it what follows:
+# the records behind it (a sender's `done`s of a batch of rooms: one read, not two a record) and
+# the start of a payload, copied from there into its views (docs/PERFORMANCE.md, eighth round)
+READ_AHEAD = 16 << 10
+# the most views filled up (steps) one readable callback acts on: records read ahead are taken
+# without a read, so the read budget alone would let a peer's flood of tiny records hold the loop
+# for ~100,000 of them; past this, the rest waits for the next turn of the loop (other streams go first)
+STEPS_PER_CALL = 128  # a record is two or three steps: its prefix, its header, its payload
 SCRATCH_BYTES = 256 << 10  # payload bytes read only to be dropped go through this (one per server)
 
 
@@ -77,6 +85,8 @@ class StreamWriter:
         self.fallback = False  # the connect failed before any byte: its messages take ZeroMQ
         self.error = ""
         self.records = 0  # records handed to the kernel whole
+        self._corked: list[Any] = []  # small records of this turn of the loop, not handed over yet
+        self._cork: asyncio.Handle | None = None  # the turn's end, when they go
 
     async def connect(self, host: str, port: int, key: bytes, timeout_s: float) -> None:
         """Connect and send the hello; raises :class:`StreamError` naming the address."""
@@ -109,17 +119,34 @@ class StreamWriter:
             raise StreamError(f"data stream to {host}:{port}: {self.error}")
         self.records = 0  # the hello is not one
 
-    def try_write(self, bufs: list[Any]) -> bool:
+    def try_write(self, bufs: list[Any], *, small: bool = False) -> bool:
         """Hand one record to the kernel; False (nothing taken) while earlier bytes still wait,
-        before the connection is up, or once the stream is lost."""
+        before the connection is up, or once the stream is lost. A ``small`` record (no payload:
+        a ``done``) that follows another small one in the same turn of the loop is kept and goes
+        with the others at the turn's end, in one call (the first goes at once: a lone room's
+        latency is unchanged); a record with a payload takes the kept ones with it, in order."""
         if self.pending or not self.connected or self.closed:
             return False
+        if small and self._cork is not None:
+            self._corked.extend(bufs)
+            self.records += 1
+            return True
+        if self._corked:
+            bufs, self._corked = self._corked + bufs, []
         self.pending = bufs
         self._flush()
         if self.closed:
             return False
         self.records += 1
+        if small and self._cork is None:
+            self._cork = self.loop.call_soon(self._uncork)
         return True
+
+    def _uncork(self) -> None:
+        self._cork = None
+        if self._corked and not self.closed:
+            self.pending, self._corked = self.pending + self._corked, []
+            self._flush()
 
     def _flush(self) -> None:
         sock = self.sock
@@ -188,6 +215,11 @@ class StreamWriter:
     def close(self) -> None:
         if self.closed:
             return
+        if self._cork is not None:  # what this turn kept goes as far as the kernel takes it
+            self._cork.cancel()
+            self._uncork()
+            if self.closed:
+                return
         self.closed = True
         self.pending = []
         if self.sock is not None:
@@ -242,6 +274,9 @@ class StreamReader:
         self._small = bytearray(max(HELLO_BYTES, PREFIX.size))
         self._state = "hello"
         self._views: list[memoryview] = [memoryview(self._small)[:HELLO_BYTES]]
+        self._ahead = memoryview(bytearray(READ_AHEAD))
+        self._ahead_lo = self._ahead_hi = 0  # bytes read ahead, not taken yet: _ahead[lo:hi]
+        self._again: asyncio.Handle | None = None  # a call for what was read ahead (the socket may stay quiet)
         self._vi = 0  # the view being filled (an index: a record may have thousands of views)
         self._got = 0  # bytes already in it
         self._target: Target | None = None
@@ -273,43 +308,72 @@ class StreamReader:
         self._paused = None
         if not self.closed:
             self.loop.add_reader(self.sock.fileno(), self._on_readable)
+            self._call_again()  # what was read before the pause
+
+    def _call_again(self) -> None:
+        """Bytes read ahead wait and the socket may have none: call the reader at the loop's next turn."""
+        if self._ahead_lo < self._ahead_hi and self._again is None and not self.closed:
+            self._again = self.loop.call_soon(self._on_readable)
 
     def _on_readable(self) -> None:
+        if self._again is not None:
+            self._again.cancel()
+            self._again = None
         recv_into, recvmsg_into = self.sock.recv_into, self.sock.recvmsg_into
         # the payload's owner is asked once a call: nothing else runs on the loop until this
         # returns, and a new target comes from a handler that has just checked its room
         t = self._target
         if t is not None and t.alive is not None and not t.alive():
             self._drop_rest()
-        for _ in range(self.budget):
+        ahead = self._ahead
+        reads = steps = 0
+        drained = False  # a read came back short: the socket was empty a moment ago
+        while True:
             if self.closed or self._paused is not None:
-                return
-            # at each read: a record's header read in this call may have just entered its payload
-            chunk = RECV_CHUNK if self._busy[0] <= 1 else MULTI_RECV_CHUNK
+                return  # a resumed stream is called again: what was read ahead waits for it
             views, vi, got = self._views, self._vi, self._got
             view = views[vi]
             left = len(view) - got
-            try:
-                if left >= chunk or vi + 1 == len(views):
-                    n = recv_into(view[got:got + chunk])
-                else:  # small views left (rows of a batch): one read fills as many as a chunk holds
-                    bufs, room = [view[got:]], chunk - left
-                    for v in views[vi + 1:vi + MAX_SCATTER]:
-                        if room <= 0:
-                            break
-                        bufs.append(v[:room])
-                        room -= len(v)
-                    n = recvmsg_into(bufs)[0]
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                self.close(f"data stream from {self.addr} broken: {exc}")
-                return
-            if not n:
-                at_boundary = self._state == "prefix" and got == 0
-                self.close(f"data stream from {self.addr} closed" + ("" if at_boundary else " in mid-message"))
-                return
-            self.rx_bytes += n
+            lo, hi = self._ahead_lo, self._ahead_hi
+            if lo < hi:  # bytes read ahead come first
+                n = min(hi - lo, left)
+                view[got:got + n] = ahead[lo:lo + n]
+                self._ahead_lo = lo + n
+            elif drained or reads >= self.budget:
+                return  # the loop's readiness is level-triggered: it calls again while bytes wait
+            else:
+                reads += 1
+                ahead_read = self._state != "payload" and len(ahead) > 0
+                # at each read: a record's header read in this call may have just entered its payload
+                chunk = RECV_CHUNK if self._busy[0] <= 1 else MULTI_RECV_CHUNK
+                try:
+                    if ahead_read:  # a hello, a prefix or a header: take the records behind it too
+                        asked, n = len(ahead), recv_into(ahead)
+                    elif left >= chunk or vi + 1 == len(views):
+                        slot = view[got:got + chunk]
+                        asked, n = len(slot), recv_into(slot)
+                    else:  # small views left (rows of a batch): one read fills as many as a chunk holds
+                        bufs, room = [view[got:]], chunk - left
+                        for v in views[vi + 1:vi + MAX_SCATTER]:
+                            if room <= 0:
+                                break
+                            bufs.append(v[:room])
+                            room -= len(v)
+                        asked, n = chunk - max(room, 0), recvmsg_into(bufs)[0]
+                except BlockingIOError:
+                    return
+                except OSError as exc:
+                    self.close(f"data stream from {self.addr} broken: {exc}")
+                    return
+                if not n:
+                    at_boundary = self._state == "prefix" and vi == 0 and got == 0
+                    self.close(f"data stream from {self.addr} closed" + ("" if at_boundary else " in mid-message"))
+                    return
+                self.rx_bytes += n
+                drained = n < asked
+                if ahead_read:
+                    self._ahead_lo, self._ahead_hi = 0, n
+                    continue  # taken from the buffer at the next turn
             if n < left:
                 self._got = got + n
                 continue
@@ -325,6 +389,10 @@ class StreamReader:
                 except Exception:  # a bug: end this stream, not the loop (nothing left to read into)
                     log.exception("data stream from %s: error while handling a record", self.addr)
                     self.close(f"data stream from {self.addr}: internal error")
+                    return
+                steps += 1
+                if steps >= STEPS_PER_CALL:
+                    self._call_again()
                     return
 
     def in_record(self) -> str:
@@ -405,7 +473,7 @@ class StreamReader:
         self.closed = True
         if self._state == "payload":  # counted in on entering it; a closed stream reads no more
             self._busy[0] -= 1
-        for timer in (self._hello_timer, self._paused):
+        for timer in (self._hello_timer, self._paused, self._again):
             if timer is not None:
                 timer.cancel()
         if self._paused is None:

@@ -54,7 +54,7 @@ class StreamSender(ZmqSender):
         ``SENT_STREAM`` when the stream took the message; the ZeroMQ socket once it has none."""
         room, pipes = tx.room, self.pipes
         while (writer := pipes.stream) is not None:  # one record, payload straight out of the pool
-            if writer.try_write([prefix(len(header), nbytes), header, *payload]):
+            if writer.try_write([prefix(len(header), nbytes), header, *payload], small=not payload):
                 await self._turn()
                 return SENT_STREAM
             try:

@@ -1,0 +1,132 @@
+"""transferd.transport.data_stream.StreamWriter on a real loopback TCP connection: a record with
+no payload (a ``done``) that follows another in the same turn of the loop is kept and handed to
+the kernel with the others at the turn's end, in one call; the first goes at once (a lone room's
+``done`` is not held); a record with a payload takes the kept ones with it, ahead of it; a close
+hands over what was kept. The bytes that arrive are the records, in the order written."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from transferd.protocol.stream import HELLO_BYTES, prefix
+from transferd.transport.data_stream import StreamWriter
+
+KEY = b"k" * 16
+
+
+class CountingSocket:
+    """The writer's socket, noting the buffers of each ``sendmsg``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.calls: list[bytes] = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def sendmsg(self, bufs: list[Any]) -> int:
+        n = self.sock.sendmsg(bufs)
+        self.calls.append(b"".join(bytes(b) for b in bufs)[:n])
+        return n
+
+    def recv(self, n: int) -> bytes:
+        return self.sock.recv(n)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def small(i: int) -> list[bytes]:
+    header = b"done%d" % i
+    return [prefix(len(header), 0), header]
+
+
+def read_all(conn: socket.socket, n: int) -> bytes:
+    conn.settimeout(10)
+    out = b""
+    while len(out) < n:
+        part = conn.recv(n - len(out))
+        if not part:
+            break
+        out += part
+    return out
+
+
+async def connected() -> tuple[StreamWriter, CountingSocket, socket.socket, list[str]]:
+    srv = socket.create_server(("127.0.0.1", 0))
+    lost: list[str] = []
+    writer = StreamWriter("test", lost.append)
+    await writer.connect("127.0.0.1", srv.getsockname()[1], KEY, 5)
+    conn, _ = srv.accept()
+    srv.close()
+    assert read_all(conn, HELLO_BYTES).endswith(KEY)
+    counted = CountingSocket(writer.sock)  # type: ignore[arg-type]
+    writer.sock = counted  # type: ignore[assignment]
+    return writer, counted, conn, lost
+
+
+def test_small_records_of_one_turn_go_in_one_call_after_the_first() -> None:
+    async def main() -> None:
+        writer, counted, conn, lost = await connected()
+        records = [small(i) for i in range(5)]
+        assert writer.try_write(records[0], small=True)
+        assert len(counted.calls) == 1  # the first at once
+        for r in records[1:]:
+            assert writer.try_write(r, small=True)
+        assert len(counted.calls) == 1  # the others kept for the turn's end
+        assert writer.records == 5
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        want = b"".join(b"".join(r) for r in records)
+        assert counted.calls == [b"".join(records[0]), b"".join(b"".join(r) for r in records[1:])]
+        assert read_all(conn, len(want)) == want
+        # a later turn: its first small record goes at once again
+        assert writer.try_write(small(9), small=True)
+        assert len(counted.calls) == 3
+        writer.close()
+        conn.close()
+        assert lost == []
+
+    asyncio.run(main())
+
+
+def test_a_record_with_a_payload_takes_the_kept_ones_ahead_of_it() -> None:
+    async def main() -> None:
+        writer, counted, conn, _ = await connected()
+        payload = bytes(range(256)) * 1024
+        header = b"data"
+        big = [prefix(len(header), len(payload)), header, memoryview(payload)]
+        a, b = small(0), small(1)
+        assert writer.try_write(a, small=True)
+        assert writer.try_write(b, small=True)
+        assert writer.try_write(big)
+        assert len(counted.calls) == 2  # b went with the payload's record, in front of it
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        want = b"".join(a) + b"".join(b) + prefix(len(header), len(payload)) + header + payload
+        got = await asyncio.to_thread(read_all, conn, len(want))
+        assert got == want
+        await writer.writable()
+        assert len(counted.calls) >= 2 and counted.calls[1].startswith(b"".join(b))
+        writer.close()
+        conn.close()
+
+    asyncio.run(main())
+
+
+def test_a_close_hands_over_what_the_turn_kept() -> None:
+    async def main() -> None:
+        writer, counted, conn, _ = await connected()
+        records = [small(i) for i in range(3)]
+        for r in records:
+            assert writer.try_write(r, small=True)
+        writer.close()
+        assert not writer.try_write(small(7), small=True)
+        await asyncio.sleep(0)
+        want = b"".join(b"".join(r) for r in records)
+        assert read_all(conn, len(want) + 1) == want  # then EOF: nothing after the close
+        conn.close()
+
+    asyncio.run(main())
