@@ -69,6 +69,7 @@ class ReceiverConfig:
     same_host_read_threads: int = 2  # threads that read same-host messages of >= 256 KiB (1-64)
     data_stream: AutoOff = AutoOff.AUTO  # offer senders a plain TCP data stream ("auto": tcp:// bind, no CURVE) or not ("off")
     stream_port: int = 0  # the data stream's TCP port on the bind address (0 = any free port)
+    stream_receive_buffer_bytes: int = 4 << 20  # SO_RCVBUF of each data stream (0 = the kernel's autotuning)
     data_plane: DataPlane = DataPlane.AUTO  # "mooncake"/"nixl": read the rows of senders that offer it with that engine
     mooncake_protocol: str = "tcp"  # Mooncake TE transport: "tcp" (tested here) or "rdma" (RDMA NICs)
     mooncake_device: str = ""  # RDMA device names, comma-separated ("" = Mooncake picks every device)
@@ -138,6 +139,9 @@ class SenderConfig:
     max_message_bytes: int = 1 << 20
     # rows per record on the data stream (several messages' worth: its cost is per record, not per byte)
     stream_record_bytes: int = 8 << 20
+    # SO_SNDBUF of the data stream (0 = the kernel's autotuning); raise it where the link's
+    # bandwidth x round trip exceeds it (docs/CONFIG.md)
+    stream_send_buffer_bytes: int = 512 << 10
     send_hwm: int = 32
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 5
@@ -264,6 +268,10 @@ class Config:
         for key in ("max_message_bytes", "stream_record_bytes"):
             if getattr(s, key) < 4096:
                 raise ConfigError(f"sender.{key} must be >= 4096, not {getattr(s, key)}")
+        for where, value in (("sender.stream_send_buffer_bytes", s.stream_send_buffer_bytes),
+                             ("receiver.stream_receive_buffer_bytes", self.receiver.stream_receive_buffer_bytes)):
+            if value != 0 and not 4096 <= value <= 1 << 30:
+                raise ConfigError(f"{where} must be 0 (the kernel's autotuning) or 4KiB-1GiB, not {value}")
         if s.sealed_pool and not s.create_pool:
             raise ConfigError("sender.sealed_pool = true needs sender.create_pool = true: only the pool's creator "
                               "can seal it (an engine that creates the pool passes sealed=True itself)")
@@ -434,7 +442,8 @@ def parse_hostport(value: str, what: str) -> tuple[str, int]:
 _ENUMS: dict[str, type[Enum]] = {"SplitMode": SplitMode, "AutoOff": AutoOff, "ZeroCopy": ZeroCopy,
                                   "DataPlane": DataPlane}
 """Settings whose values are one of an enum's (checked where the file is read)."""
-_SIZE_KEYS = {"max_message_bytes", "stream_record_bytes", "aux_row_bytes", "max_frame_bytes", "shm_message_bytes"}
+_SIZE_KEYS = {"max_message_bytes", "stream_record_bytes", "aux_row_bytes", "max_frame_bytes", "shm_message_bytes",
+              "stream_send_buffer_bytes", "stream_receive_buffer_bytes"}
 
 
 def _coerce(cls: type, name: str, value: Any, where: str) -> Any:

@@ -152,6 +152,9 @@ def test_coercions() -> None:
     assert cfg.sender.cp_size == 4
     assert from_mapping({"receiver": {"max_frame_bytes": "8MiB"}}, env={}).receiver.max_frame_bytes == 8 * 2**20
     assert from_mapping({"sender": {"checksum": "crc32"}}, env={}).sender.checksum == "crc32"
+    buffers = from_mapping({"sender": {"stream_send_buffer_bytes": "256KiB"},
+                            "receiver": {"stream_receive_buffer_bytes": 0}}, env={})
+    assert buffers.sender.stream_send_buffer_bytes == 256 << 10 and buffers.receiver.stream_receive_buffer_bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -175,6 +178,10 @@ def test_coercions() -> None:
         ({"receiver": {"max_frame_bytes": "64KiB"}, "sender": {"max_message_bytes": "1MiB"}},
          "receiver.max_frame_bytes"),
         ({"sender": {"stream_record_bytes": 100}}, "sender.stream_record_bytes must be >= 4096"),
+        ({"sender": {"stream_send_buffer_bytes": 100}},
+         r"sender.stream_send_buffer_bytes must be 0 \(the kernel's autotuning\) or 4KiB-1GiB, not 100"),
+        ({"receiver": {"stream_receive_buffer_bytes": "2GiB"}}, "receiver.stream_receive_buffer_bytes must be 0"),
+        ({"receiver": {"stream_receive_buffer_bytes": -1}}, "receiver.stream_receive_buffer_bytes in f.toml must be >= 0"),
         ({"receiver": {"max_frame_bytes": "4MiB"}}, r"below sender.stream_record_bytes \(8388608\)"),
         ({"receiver": {"data_plane": "ucx"}}, "'ucx'"),
         ({"sender": {"nixl_ucx_devices": "mlx5_0:1;reboot"}}, "sender.nixl_ucx_devices"),

@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from transferd.protocol.stream import HELLO_BYTES, prefix
-from transferd.transport.data_stream import StreamWriter
+from transferd.transport.data_stream import StreamServer, StreamWriter, Target
 
 KEY = b"k" * 16
 
@@ -128,5 +128,66 @@ def test_a_close_hands_over_what_the_turn_kept() -> None:
         want = b"".join(b"".join(r) for r in records)
         assert read_all(conn, len(want) + 1) == want  # then EOF: nothing after the close
         conn.close()
+
+    asyncio.run(main())
+
+
+def test_the_send_buffer_is_the_configured_one_or_the_kernels() -> None:
+    """``send_buffer`` sets SO_SNDBUF (Linux reports twice the value asked, within wmem_max);
+    0 leaves the socket as the kernel made it (its autotuning)."""
+    wmem_max = int(open("/proc/sys/net/core/wmem_max").read())
+
+    async def sndbuf(send_buffer: int) -> int:
+        srv = socket.create_server(("127.0.0.1", 0))
+        writer = StreamWriter("test", lambda why: None, send_buffer)
+        await writer.connect("127.0.0.1", srv.getsockname()[1], KEY, 5)
+        conn, _ = srv.accept()
+        assert writer.sock is not None
+        got = writer.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        writer.close()
+        conn.close()
+        srv.close()
+        return got
+
+    async def main() -> None:
+        srv = socket.create_server(("127.0.0.1", 0))
+        plain = socket.create_connection(srv.getsockname())
+        kernels = plain.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)  # a socket as the kernel makes it
+        plain.close()
+        srv.close()
+        assert await sndbuf(256 << 10) == 2 * min(256 << 10, wmem_max)
+        assert await sndbuf(96 << 10) == 2 * min(96 << 10, wmem_max)
+        assert await sndbuf(0) == kernels != 2 * (256 << 10)
+
+    asyncio.run(main())
+
+
+def test_the_receive_buffer_of_each_accepted_stream_is_the_servers() -> None:
+    rmem_max = int(open("/proc/sys/net/core/rmem_max").read())
+
+    class Quiet:
+        def stream_hello(self, reader: Any, hello: bytes) -> bool:
+            return True
+
+        def stream_record(self, reader: Any, header: bytes, payload_len: int) -> Target:
+            return Target([])
+
+        def stream_closed(self, reader: Any, reason: str) -> None:
+            pass
+
+    async def rcvbuf(receive_buffer: int) -> int:
+        server = StreamServer("127.0.0.1", 0, Quiet(), 1 << 20, receive_buffer)
+        client = socket.create_connection(("127.0.0.1", server.port))
+        while not server.readers:
+            await asyncio.sleep(0.001)
+        reader = next(iter(server.readers))
+        got = reader.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        client.close()
+        server.close()
+        return got
+
+    async def main() -> None:
+        assert await rcvbuf(512 << 10) == 2 * min(512 << 10, rmem_max)
+        assert await rcvbuf(0) != 2 * (512 << 10)
 
     asyncio.run(main())

@@ -144,7 +144,8 @@ class Receiver(AgentBase):
             self._start_nixl()
         host = stream_host(self.data_endpoint)
         if self.rcfg.data_stream == AutoOff.AUTO and host is not None and not self.rcfg.curve_secret_key:
-            self.streams = StreamServer(host, self.rcfg.stream_port, self.data, self.rcfg.max_frame_bytes)
+            self.streams = StreamServer(host, self.rcfg.stream_port, self.data, self.rcfg.max_frame_bytes,
+                                        self.rcfg.stream_receive_buffer_bytes)
         self.core = self._new_core(self.streams.port if self.streams else 0)  # now that the port is known
         self.data = DataPath(self)
         if self.streams is not None:

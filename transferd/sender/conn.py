@@ -138,7 +138,8 @@ class Connections:
         if plane is PlaneName.STREAM:
             host = stream_host(conn.endpoint)
             assert host is not None
-            writer = conn.pipes.stream = StreamWriter(conn.pipes.name, lambda why: None)
+            writer = conn.pipes.stream = StreamWriter(conn.pipes.name, lambda why: None,
+                                                      self.scfg.stream_send_buffer_bytes)
             writer.on_lost = functools.partial(self._stream_lost, cid, writer)
             self.spawn(self._connect_stream(conn, writer, host, stream_port, stream_key), f"stream {conn.endpoint}")
 

@@ -21,7 +21,12 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_HELLOS = 64  # connections without a hello yet; beyond it the oldest is closed
 IOV_CHUNK = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
-SOCK_BUFFER = 4 << 20
+# the sender's SO_SNDBUF (sender.stream_send_buffer_bytes): against 4 MiB, 512 KiB moved 1 MiB rows
+# 0.68 -> 0.82-0.95 x a raw TCP socket and CP8 0.59-0.68 -> 0.76-0.85 x eight on loopback, and the
+# receiver's copy of the same bytes got cheaper (CP8 0.31 -> 0.22 CPU s/GB): fewer bytes in flight
+# are still in the CPU's caches when read (docs/PERFORMANCE.md, issue 14's eighth round)
+SEND_BUFFER = 512 << 10
+RECEIVE_BUFFER = 4 << 20  # the receiver's SO_RCVBUF (receiver.stream_receive_buffer_bytes)
 # the most one recv_into asks for: a read holds the socket's lock while it copies, and the peer's
 # segments wait in the backlog meanwhile; reads of 64 KiB moved 1 MiB records 1.15-1.25x faster
 # than whole-payload reads on loopback (32 KiB: the same, 16 KiB: slower; docs/history/PERFORMANCE-LOG.md item 15)
@@ -53,15 +58,18 @@ def stream_host(endpoint: str) -> str | None:
     return "0.0.0.0" if host == "*" else host
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, sndbuf: int = 0, rcvbuf: int = 0) -> None:
+    """Non-blocking, no Nagle; ``sndbuf``/``rcvbuf`` > 0 set that socket buffer (the kernel doubles
+    it, and caps it at net.core.wmem_max/rmem_max); 0 leaves it to the kernel's autotuning."""
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUFFER)
-        except OSError:
-            pass  # capped by the kernel: its default is fine
+    for opt, size in ((socket.SO_SNDBUF, sndbuf), (socket.SO_RCVBUF, rcvbuf)):
+        if size > 0:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, size)
+            except OSError:
+                pass  # refused by the kernel: its default is fine
 
 
 # -- the sending end ---------------------------------------------------------------------------
@@ -73,9 +81,10 @@ class StreamWriter:
     backpressure. A broken stream, or any byte from the receiver (it never writes; EOF means it
     closed the stream), calls ``on_lost`` once."""
 
-    def __init__(self, name: str, on_lost: Callable[[str], None]) -> None:
+    def __init__(self, name: str, on_lost: Callable[[str], None], send_buffer: int = SEND_BUFFER) -> None:
         self.name = name
         self.on_lost = on_lost
+        self.send_buffer = send_buffer  # SO_SNDBUF (0: the kernel's autotuning)
         self.loop = asyncio.get_running_loop()
         self.sock: socket.socket | None = None
         self.pending: list[Any] = []
@@ -98,7 +107,7 @@ class StreamWriter:
             infos.sort(key=lambda info: info[0] != socket.AF_INET)
             for i, (family, _, _, _, addr) in enumerate(infos):
                 sock = socket.socket(family, socket.SOCK_STREAM)
-                _tune(sock)
+                _tune(sock, sndbuf=self.send_buffer)
                 try:
                     await asyncio.wait_for(self.loop.sock_connect(sock, addr),
                                            max(0.001, deadline - self.loop.time()))
@@ -488,10 +497,12 @@ class StreamReader:
 class StreamServer:
     """The receiver's listening socket for data streams."""
 
-    def __init__(self, host: str, port: int, handler: StreamHandler, max_payload: int) -> None:
+    def __init__(self, host: str, port: int, handler: StreamHandler, max_payload: int,
+                 receive_buffer: int = RECEIVE_BUFFER) -> None:
         self.loop = asyncio.get_running_loop()
         self.handler = handler
         self.max_payload = max_payload
+        self.receive_buffer = receive_buffer  # SO_RCVBUF of each accepted stream (0: autotuning)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -522,7 +533,7 @@ class StreamServer:
                             "once; the oldest goes, from %s)", self.refused_unhelloed, MAX_PENDING_HELLOS,
                             oldest.addr)
             oldest.close()
-        _tune(conn)
+        _tune(conn, rcvbuf=self.receive_buffer)
         self.readers.add(StreamReader(conn, where, self, self.max_payload, self._scratch, busy=self._busy))
 
     # the server sits between the readers and the handler, to forget closed readers
