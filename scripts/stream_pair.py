@@ -27,7 +27,14 @@ import time
 import uvloop
 
 from transferd.protocol.stream import prefix
-from transferd.transport.data_stream import RECEIVE_BUFFER, RECV_CHUNK, StreamReader, StreamWriter, Target, _tune
+from transferd.transport.data_stream import (
+    RECEIVE_BUFFER,
+    RECV_CHUNK,
+    StreamReader,
+    StreamWriter,
+    Target,
+    tune_socket,
+)
 
 MiB = 1 << 20
 ROWS = 8  # rows of 1 MiB a record
@@ -119,7 +126,7 @@ def once(raw: bool, records: int, send_buffer: int, src: memoryview, dst: memory
     rx, _ = srv.accept()
     srv.close()
     if not raw:
-        _tune(rx, rcvbuf=RECEIVE_BUFFER)
+        tune_socket(rx, rcvbuf=RECEIVE_BUFFER)  # as the receiver tunes an accepted stream
     t0, c0 = time.perf_counter(), _cpu()
     _receive(raw, rx, records, dst)
     dt, dc = time.perf_counter() - t0, _cpu() - c0

@@ -58,7 +58,7 @@ def stream_host(endpoint: str) -> str | None:
     return "0.0.0.0" if host == "*" else host
 
 
-def _tune(sock: socket.socket, sndbuf: int = 0, rcvbuf: int = 0) -> None:
+def tune_socket(sock: socket.socket, sndbuf: int = 0, rcvbuf: int = 0) -> None:
     """Non-blocking, no Nagle; ``sndbuf``/``rcvbuf`` > 0 set that socket buffer (the kernel doubles
     it, and caps it at net.core.wmem_max/rmem_max); 0 leaves it to the kernel's autotuning."""
     sock.setblocking(False)
@@ -78,7 +78,8 @@ class StreamWriter:
     """A sender's end: ``try_write`` hands a record to the kernel at once (no copy in Python: the
     payload buffers are views of the pool) and keeps what the socket did not take; while
     anything is kept, further records wait (``writable``): the socket's buffer is the
-    backpressure. A broken stream, or any byte from the receiver (it never writes; EOF means it
+    backpressure. The ``done`` records of one loop turn after its first are kept until the
+    turn's end (or the next record with a payload) and go together. A broken stream, or any byte from the receiver (it never writes; EOF means it
     closed the stream), calls ``on_lost`` once."""
 
     def __init__(self, name: str, on_lost: Callable[[str], None], send_buffer: int = SEND_BUFFER) -> None:
@@ -107,7 +108,7 @@ class StreamWriter:
             infos.sort(key=lambda info: info[0] != socket.AF_INET)
             for i, (family, _, _, _, addr) in enumerate(infos):
                 sock = socket.socket(family, socket.SOCK_STREAM)
-                _tune(sock, sndbuf=self.send_buffer)
+                tune_socket(sock, sndbuf=self.send_buffer)
                 try:
                     await asyncio.wait_for(self.loop.sock_connect(sock, addr),
                                            max(0.001, deadline - self.loop.time()))
@@ -153,8 +154,8 @@ class StreamWriter:
 
     def _uncork(self) -> None:
         self._cork = None
-        if self._corked and not self.closed:
-            self.pending, self._corked = self.pending + self._corked, []
+        if self._corked and not self.closed:  # nothing else waits: records are kept only while none does
+            self.pending, self._corked = self._corked, []
             self._flush()
 
     def _flush(self) -> None:
@@ -352,7 +353,7 @@ class StreamReader:
                 return  # the loop's readiness is level-triggered: it calls again while bytes wait
             else:
                 reads += 1
-                ahead_read = self._state != "payload" and len(ahead) > 0
+                ahead_read = self._state != "payload"
                 # at each read: a record's header read in this call may have just entered its payload
                 chunk = RECV_CHUNK if self._busy[0] <= 1 else MULTI_RECV_CHUNK
                 try:
@@ -375,7 +376,7 @@ class StreamReader:
                     self.close(f"data stream from {self.addr} broken: {exc}")
                     return
                 if not n:
-                    at_boundary = self._state == "prefix" and vi == 0 and got == 0
+                    at_boundary = self._state == "prefix" and got == 0
                     self.close(f"data stream from {self.addr} closed" + ("" if at_boundary else " in mid-message"))
                     return
                 self.rx_bytes += n
@@ -533,7 +534,7 @@ class StreamServer:
                             "once; the oldest goes, from %s)", self.refused_unhelloed, MAX_PENDING_HELLOS,
                             oldest.addr)
             oldest.close()
-        _tune(conn, rcvbuf=self.receive_buffer)
+        tune_socket(conn, rcvbuf=self.receive_buffer)
         self.readers.add(StreamReader(conn, where, self, self.max_payload, self._scratch, busy=self._busy))
 
     # the server sits between the readers and the handler, to forget closed readers
