@@ -272,6 +272,20 @@ def test_the_scale_script_runs_small_and_every_room_is_byte_exact() -> None:
     assert set(Path("/dev/shm").glob("transferd-scale*")) <= shm_before
 
 
+def test_the_stream_fanin_script_lands_every_row_of_both_sides() -> None:
+    """``scripts/stream_fanin.py`` (issue 14's ninth round: the data streams alone, several into
+    one process, against as many raw TCP connections) on a small shape: it checks every row of
+    every round byte for byte (a row out of place ends it with an error) and prints the ratios."""
+    proc = subprocess.run([sys.executable, "scripts/stream_fanin.py", "--writers", "3", "--rooms", "2", "--rows", "2",
+                           "--rounds", "2"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.splitlines()
+    assert sum(1 for line in lines if line.startswith("raw ") and " stream " in line) == 2, proc.stdout
+    last = lines[-1]
+    assert last.startswith("3 streams / 3 raw TCP connections, medians of 2 paired rounds: GB/s "), last
+    assert last.endswith("every row intact (12 MiB a round)"), last
+
+
 def test_sglang_staging_copies_are_measured_beside_memcpy(run: tuple[dict[str, Any], str]) -> None:
     """The SGLang backend's gather (engine → pool) and scatter (pool → engine), paired with memcpy."""
     out, table = run
