@@ -128,6 +128,9 @@ def test_one_group_serves_two_receivers(cluster: Cluster) -> None:
         assert dc.wait(r.room, r.group, 30).state is RoomState.SUCCESS
         assert mismatches(r, pool, spools, "pages", before[id(pool)]) == 0
     assert dc1.stats()["rooms"] == {"success": 4} and dc2.stats()["rooms"] == {"success": 4}
+    # a sender hears of a room's end from its receiver right after the decode engine does (the
+    # status may still be on its way when the decode side's wait returns)
+    assert [pc.wait(r.room, 10).state for r, _, _ in placed for pc in pcs] == [RoomState.SUCCESS] * 16
     assert [pc.stats()["rooms"] for pc in pcs] == [{"success": 8}] * 2
     cluster.check_plane(dc1.stats())
     cluster.check_plane(dc2.stats())
