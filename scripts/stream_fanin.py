@@ -28,6 +28,7 @@ import selectors
 import socket
 import statistics
 import time
+import traceback
 from typing import Any
 
 import uvloop
@@ -104,6 +105,8 @@ def _fork(fn: Any, *args: Any) -> int:
         try:
             fn(*args)
             code = 0
+        except BaseException:
+            traceback.print_exc()  # the parent then stops on the exit status
         finally:
             os._exit(code)
     return pid
