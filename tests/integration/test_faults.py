@@ -116,7 +116,9 @@ def test_restarted_receiver_is_registered_with_again_automatically(cluster: Clus
     dc.timeout_s = 2
     cluster.until(lambda: _registered(dc) == 2, "both ranks to register with the new receiver")
     dc.timeout_s = 20
-    assert all(s["receivers"][0]["state"] == "registered" for s in (pc.status() for pc in pcs))
+    # the receiver counts a rank when it sends its welcome; the rank reads it a loop turn later
+    cluster.until(lambda: all(s["receivers"][0]["state"] == "registered" for s in (pc.status() for pc in pcs)),
+                  "both ranks to read the new receiver's welcome")
     _ok_room(cluster, dc, dpool, pcs, spools, 31, "prefill0", 2, slot=5)
 
 
