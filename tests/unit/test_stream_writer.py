@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from types import SimpleNamespace
 from typing import Any
 
 from transferd.protocol.stream import HELLO_BYTES, prefix
-from transferd.transport.data_stream import StreamServer, StreamWriter, Target
+from transferd.transport.data_stream import SEND_BUFFER, StreamServer, StreamWriter, Target
+from transferd.transport.planes.sending import SENT_STREAM, ConnPipes, RoomTx, SendEnv
+from transferd.transport.planes.stream import StreamSender
 
 KEY = b"k" * 16
 
@@ -54,10 +57,10 @@ def read_all(conn: socket.socket, n: int) -> bytes:
     return out
 
 
-async def connected() -> tuple[StreamWriter, CountingSocket, socket.socket, list[str]]:
+async def connected(send_buffer: int = SEND_BUFFER) -> tuple[StreamWriter, CountingSocket, socket.socket, list[str]]:
     srv = socket.create_server(("127.0.0.1", 0))
     lost: list[str] = []
-    writer = StreamWriter("test", lost.append)
+    writer = StreamWriter("test", lost.append, send_buffer)
     await writer.connect("127.0.0.1", srv.getsockname()[1], KEY, 5)
     conn, _ = srv.accept()
     srv.close()
@@ -189,5 +192,122 @@ def test_the_receive_buffer_of_each_accepted_stream_is_the_servers() -> None:
     async def main() -> None:
         assert await rcvbuf(512 << 10) == 2 * min(512 << 10, rmem_max)
         assert await rcvbuf(0) != 2 * (512 << 10)
+
+    asyncio.run(main())
+
+
+# -- rooms waiting for the stream: one is woken at a time -------------------------------------
+
+def stream_plane(writer: StreamWriter) -> StreamSender:
+    """The stream plane of a connection whose only way out is ``writer`` (no pool: its records
+    are built here and handed to ``_emit`` as the plane's batching would)."""
+    env = SendEnv(SimpleNamespace(buffers=()), (), None, 1 << 20, 1 << 20)  # type: ignore[arg-type]
+    return StreamSender(env, ConnPipes("test", None, stream=writer))  # type: ignore[arg-type]
+
+
+def payload_record(i: int, nbytes: int = 96 << 10) -> tuple[bytes, bytes]:
+    header = b"room%03d" % i
+    return header, bytes([i % 251]) * nbytes
+
+
+def counting_waits(writer: StreamWriter) -> list[int]:
+    """Count the writer's waits for writability (each one a wake-up of a room's send loop)."""
+    waits = [0]
+    real = writer.writable
+
+    async def writable() -> None:
+        waits[0] += 1
+        await real()
+
+    writer.writable = writable  # type: ignore[method-assign]
+    return waits
+
+
+def test_rooms_waiting_for_the_stream_are_woken_one_at_a_time_in_order() -> None:
+    """Sixteen rooms' records behind a small send buffer: each room waits for the stream at
+    most once (when the stream drains, the first waiter alone is woken, not all of them to
+    find it taken again), and the records arrive whole, in the order the rooms came."""
+    async def main() -> None:
+        writer, _, conn, lost = await connected(send_buffer=16 << 10)
+        plane = stream_plane(writer)
+        waits = counting_waits(writer)
+        rooms = [SimpleNamespace(stopped=False) for _ in range(16)]
+        records = [payload_record(i) for i in range(16)]
+        want = b"".join(prefix(len(h), len(p)) + h + p for h, p in records)
+        reading = asyncio.create_task(asyncio.to_thread(read_all, conn, len(want)))
+        sent = await asyncio.wait_for(asyncio.gather(*(
+            plane._emit(RoomTx(room, i), h, [memoryview(p)], len(p))  # type: ignore[arg-type]
+            for i, (room, (h, p)) in enumerate(zip(rooms, records)))), 10)
+        assert sent == [SENT_STREAM] * 16
+        assert await reading == want
+        assert 1 <= waits[0] <= 15  # the first room never waits; every other at most once
+        writer.close()
+        conn.close()
+        assert lost == []
+
+    asyncio.run(main())
+
+
+def test_a_woken_room_that_stopped_passes_the_turn_on() -> None:
+    """Rooms wait behind a full stream; one of them stops meanwhile (cancelled, say). Woken,
+    it writes nothing and hands the turn to the next waiter: no room is left waiting on an idle
+    stream, and the stopped room's record never goes out."""
+    async def main() -> None:
+        writer, _, conn, lost = await connected(send_buffer=16 << 10)
+        plane = stream_plane(writer)
+        rooms = [SimpleNamespace(stopped=False) for _ in range(6)]
+        records = [payload_record(i) for i in range(6)]
+        tasks = [asyncio.create_task(plane._emit(RoomTx(room, i), h, [memoryview(p)], len(p)))  # type: ignore[arg-type]
+                 for i, (room, (h, p)) in enumerate(zip(rooms, records))]
+        await asyncio.sleep(0)
+        assert writer.pending and len(writer._waiters) == 5  # room 0 writing, 1-5 waiting
+        rooms[1].stopped = True  # the first in line
+        rooms[3].stopped = True
+        want = b"".join(prefix(len(h), len(p)) + h + p for i, (h, p) in enumerate(records) if i not in (1, 3))
+        reading = asyncio.create_task(asyncio.to_thread(read_all, conn, len(want) + 1))
+        sent = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert sent == [SENT_STREAM, 0, SENT_STREAM, 0, SENT_STREAM, SENT_STREAM]
+        await writer.writable()  # the last record handed over whole
+        writer.close()  # EOF: nothing after the four records
+        assert await reading == want
+        conn.close()
+        assert lost == []
+
+    asyncio.run(main())
+
+
+def test_a_room_cancelled_as_it_is_woken_passes_the_turn_on() -> None:
+    """The send loop of a room is cancelled (its agent stopping a task) just as its turn came:
+    the waiter after it is woken in its place, and every other record arrives."""
+    async def main() -> None:
+        writer, _, conn, lost = await connected(send_buffer=16 << 10)
+        plane = stream_plane(writer)
+        rooms = [SimpleNamespace(stopped=False) for _ in range(4)]
+        records = [payload_record(i) for i in range(4)]
+        tasks = [asyncio.create_task(plane._emit(RoomTx(room, i), h, [memoryview(p)], len(p)))  # type: ignore[arg-type]
+                 for i, (room, (h, p)) in enumerate(zip(rooms, records))]
+        await asyncio.sleep(0)
+        assert len(writer._waiters) == 3
+        first, wake = writer._waiters[0], writer._wake_one
+
+        def wake_then_cancel() -> None:  # room 1 cancelled once woken, before its loop runs it
+            woke_first = bool(writer._waiters) and writer._waiters[0] is first
+            wake()
+            if woke_first:
+                assert first.done() and not first.cancelled()
+                tasks[1].cancel()
+
+        writer._wake_one = wake_then_cancel  # type: ignore[method-assign]
+        tasks[2].cancel()  # and room 2 while it waits
+        want = b"".join(prefix(len(h), len(p)) + h + p for i, (h, p) in enumerate(records) if i in (0, 3))
+        reading = asyncio.create_task(asyncio.to_thread(read_all, conn, len(want) + 1))
+        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert done[0] == SENT_STREAM and done[3] == SENT_STREAM
+        assert isinstance(done[1], asyncio.CancelledError) and isinstance(done[2], asyncio.CancelledError)
+        await writer.writable()
+        writer.close()
+        assert await reading == want
+        conn.close()
+        assert lost == []
 
     asyncio.run(main())

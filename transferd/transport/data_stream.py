@@ -9,6 +9,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -78,7 +79,10 @@ class StreamWriter:
     """A sender's end: ``try_write`` hands a record to the kernel at once (no copy in Python: the
     payload buffers are views of the pool) and keeps what the socket did not take; while
     anything is kept, further records wait (``writable``): the socket's buffer is the
-    backpressure. The ``done`` records of one loop turn after its first are kept until the
+    backpressure. When the kept bytes are gone, the first waiter alone is woken (the rest stay
+    asleep until it has written: with a hundred rooms behind one stream, waking all of them to
+    find it taken again was a hundred wake-ups a record); a woken waiter that will not write
+    calls ``pass_on``. The ``done`` records of one loop turn after its first are kept until the
     turn's end (or the next record with a payload) and go together. A broken stream, or any byte from the receiver (it never writes; EOF means it
     closed the stream), calls ``on_lost`` once."""
 
@@ -89,7 +93,7 @@ class StreamWriter:
         self.loop = asyncio.get_running_loop()
         self.sock: socket.socket | None = None
         self.pending: list[Any] = []
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: deque[asyncio.Future[None]] = deque()
         self.closed = False
         self.connected = False
         self.fallback = False  # the connect failed before any byte: its messages take ZeroMQ
@@ -184,10 +188,21 @@ class StreamWriter:
             pending = pending[len(part):]
         self.pending = []
         self.loop.remove_writer(sock.fileno())
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            w = waiters.popleft()
             if not w.done():
                 w.set_result(None)
+                return
+
+    def pass_on(self) -> None:
+        """A woken waiter that will not write after all (its room stopped, or it was cancelled):
+        the next waiter gets the turn, so none is left waiting on an idle stream."""
+        if not self.pending and self.connected and not self.closed:
+            self._wake_one()
 
     def _on_writable(self) -> None:
         if not self.closed:

@@ -17,6 +17,7 @@ a ZeroMQ payload would be.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -63,7 +64,11 @@ class StreamSender(ZmqSender):
                 if writer.fallback and not room.stopped:
                     continue  # it never connected: the ZeroMQ socket takes the data instead
                 raise
+            except asyncio.CancelledError:
+                writer.pass_on()
+                raise
             if room.stopped:
+                writer.pass_on()
                 return 0
         return await super()._emit(tx, header, payload, nbytes, rows=rows)
 
