@@ -2,7 +2,9 @@
 no payload (a ``done``) that follows another in the same turn of the loop is kept and handed to
 the kernel with the others at the turn's end, in one call; the first goes at once (a lone room's
 ``done`` is not held); a record with a payload takes the kept ones with it, ahead of it; a close
-hands over what was kept. The bytes that arrive are the records, in the order written."""
+hands over what was kept. Rooms waiting for a busy stream are woken one at a time, in order, and
+one that stops or is cancelled passes its turn on. The bytes that arrive are the records, in the
+order written."""
 
 from __future__ import annotations
 
