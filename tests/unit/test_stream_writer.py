@@ -212,6 +212,16 @@ def payload_record(i: int, nbytes: int = 96 << 10) -> tuple[bytes, bytes]:
     return header, bytes([i % 251]) * nbytes
 
 
+def waiting_rooms(writer: StreamWriter, n: int) -> tuple[list[Any], list[tuple[bytes, bytes]], list[asyncio.Task[int]]]:
+    """``n`` rooms each sending one record through the stream plane, started as tasks."""
+    plane = stream_plane(writer)
+    rooms = [SimpleNamespace(stopped=False) for _ in range(n)]
+    records = [payload_record(i) for i in range(n)]
+    tasks = [asyncio.create_task(plane._emit(RoomTx(room, i), h, [memoryview(p)], len(p)))  # type: ignore[arg-type]
+             for i, (room, (h, p)) in enumerate(zip(rooms, records))]
+    return rooms, records, tasks
+
+
 def counting_waits(writer: StreamWriter) -> list[int]:
     """Count the writer's waits for writability (each one a wake-up of a room's send loop)."""
     waits = [0]
@@ -256,11 +266,7 @@ def test_a_woken_room_that_stopped_passes_the_turn_on() -> None:
     stream, and the stopped room's record never goes out."""
     async def main() -> None:
         writer, _, conn, lost = await connected(send_buffer=16 << 10)
-        plane = stream_plane(writer)
-        rooms = [SimpleNamespace(stopped=False) for _ in range(6)]
-        records = [payload_record(i) for i in range(6)]
-        tasks = [asyncio.create_task(plane._emit(RoomTx(room, i), h, [memoryview(p)], len(p)))  # type: ignore[arg-type]
-                 for i, (room, (h, p)) in enumerate(zip(rooms, records))]
+        rooms, records, tasks = waiting_rooms(writer, 6)
         await asyncio.sleep(0)
         assert writer.pending and len(writer._waiters) == 5  # room 0 writing, 1-5 waiting
         rooms[1].stopped = True  # the first in line
@@ -283,11 +289,7 @@ def test_a_room_cancelled_as_it_is_woken_passes_the_turn_on() -> None:
     the waiter after it is woken in its place, and every other record arrives."""
     async def main() -> None:
         writer, _, conn, lost = await connected(send_buffer=16 << 10)
-        plane = stream_plane(writer)
-        rooms = [SimpleNamespace(stopped=False) for _ in range(4)]
-        records = [payload_record(i) for i in range(4)]
-        tasks = [asyncio.create_task(plane._emit(RoomTx(room, i), h, [memoryview(p)], len(p)))  # type: ignore[arg-type]
-                 for i, (room, (h, p)) in enumerate(zip(rooms, records))]
+        rooms, records, tasks = waiting_rooms(writer, 4)
         await asyncio.sleep(0)
         assert len(writer._waiters) == 3
         first, wake = writer._waiters[0], writer._wake_one

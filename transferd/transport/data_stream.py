@@ -199,8 +199,9 @@ class StreamWriter:
                 return
 
     def pass_on(self) -> None:
-        """A woken waiter that will not write after all (its room stopped, or it was cancelled):
-        the next waiter gets the turn, so none is left waiting on an idle stream."""
+        """A woken waiter that will not write after all (its room stopped; a cancelled one is
+        handled in ``writable``): the next waiter gets the turn, so none is left waiting on an
+        idle stream."""
         if not self.pending and self.connected and not self.closed:
             self._wake_one()
 
@@ -228,7 +229,11 @@ class StreamWriter:
             return
         fut: asyncio.Future[None] = self.loop.create_future()
         self._waiters.append(fut)
-        await fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.pass_on()  # it may have been woken already: the turn must not end with it
+            raise
 
     def _lost(self, reason: str) -> None:
         if self.closed:

@@ -17,7 +17,6 @@ a ZeroMQ payload would be.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -63,9 +62,6 @@ class StreamSender(ZmqSender):
             except TransferdError:
                 if writer.fallback and not room.stopped:
                     continue  # it never connected: the ZeroMQ socket takes the data instead
-                raise
-            except asyncio.CancelledError:
-                writer.pass_on()
                 raise
             if room.stopped:
                 writer.pass_on()
