@@ -34,8 +34,10 @@ def _pos(x: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def run() -> tuple[dict[str, Any], str]:
+    # a setting in the bench's environment reaches none of its daemons, and the bench says so
+    env = {**_env(), "TRANSFERD_SENDER_SEND_HWM": "64"}
     with subprocess.Popen([sys.executable, "-m", "transferd", "bench", "--quick", "--json", "-"], cwd=ROOT,
-                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
         try:
             stdout, stderr = p.communicate(timeout=480)
         except subprocess.TimeoutExpired:
@@ -182,6 +184,13 @@ def test_peers_and_table(run: tuple[dict[str, Any], str]) -> None:
         assert out["peers"] == {} and "not installed" in out["notes"]["peers"]
     for name in ("memcpy", "raw pyzmq", "small rooms", "CP de-dup", "targets:", "0 mismatched bytes"):
         assert name in table, name
+
+
+def test_a_setting_in_the_environment_is_named_as_not_passed_on(run: tuple[dict[str, Any], str]) -> None:
+    out, table = run
+    note = out["notes"]["environment"]
+    assert note.startswith("TRANSFERD_SENDER_SEND_HWM from the environment not passed to the bench's daemons")
+    assert f"transferd bench: {note}" in table and f"environment: {note}" in table
 
 
 def test_mooncake_plane_beside_raw_mooncake_and_bytes_by_path(run: tuple[dict[str, Any], str]) -> None:

@@ -12,7 +12,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,20 @@ def bulk_model(key: str) -> dict[str, Any]:
             "kv_format": "mla", "kv_token_elems": row // (16 * 2), "aux_row_bytes": 64}
 
 
+# TRANSFERD_* variables that hold no setting (config.py reads none from them): the daemons keep them
+NOT_SETTINGS = ("TRANSFERD_SHM_DIR",)
+
+
+def daemon_base_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The base environment of the bench's daemons: ``environ`` without its ``TRANSFERD_*``
+    variables, since the bench gives every daemon its settings itself, so that runs compare, and
+    the settings among those dropped (``TRANSFERD_CONFIG`` names a file, not a setting: the bench
+    writes its own)."""
+    dropped = [k for k in environ if k.startswith("TRANSFERD_") and k not in NOT_SETTINGS]
+    return ({k: v for k, v in environ.items() if k not in dropped},
+            sorted(k for k in dropped if k != "TRANSFERD_CONFIG"))
+
+
 class Fleet:
     """The daemons of one run (child processes, stopped together), the engine clients and pools
     that reach them, and the tally of the rooms they moved."""
@@ -84,7 +98,7 @@ class Fleet:
         self.run_dir = run_dir
         self.tag = tag
         self.room_timeout_s = room_timeout_s
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
+        env = daemon_base_env(os.environ)[0]
         root = str(repo_root())
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.procs = ProcessGroup(env, run_dir / "logs")

@@ -646,6 +646,8 @@ def format_table(out: dict[str, Any]) -> str:
         lines.append(f"  {name:<42} {_f(v, '{:.4g}') if isinstance(v, (int, float)) else '—':>10}  {met}"
                      + (f" ({t['limit']})" if t["met"] is False and t.get("limit") else ""))
     lines.append(f"peers: {out['notes'].get('peers', 'none')}")
+    if "environment" in out["notes"]:
+        lines.append(f"environment: {out['notes']['environment']}")
     lines.append(f"rooms: {out['rooms_ok']} ok, {out['rooms_failed']} failed; {out['verified_rooms']} verified byte "
                  f"for byte, {out['mismatched_bytes']} mismatched bytes; {out.get('seconds', 0):.1f} s")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from typing import Any
 from ...config import Config
 from ...errors import ConfigError
 from ..ops import write_json
+from .cluster import daemon_base_env
 from .plan import BULK_KEYS, FULL, QUICK, SIZES, dedup_config_path
 from .report import format_table, plot, report
 from .subjects import Bench
@@ -53,6 +54,12 @@ def run_bench(cfg: Config, cfg_path: str | None, *, quick: bool = False, json_pa
     tag = f"bench{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix="transferd-bench-"))
     bench = Bench(plan, quick, run_dir, tag, progress)
+    ignored = daemon_base_env(os.environ)[1]
+    if ignored:  # said at once: a run meant to measure a setting this way measures the default
+        bench.notes["environment"] = (f"{', '.join(ignored)} from the environment not passed to the bench's daemons: "
+                                      "the bench gives them their settings itself, so that its runs compare "
+                                      "(to measure another setting, change its default and compare runs)")
+        print(f"transferd bench: {bench.notes['environment']}", file=sys.stderr)
     if only:
         names = [n for n, _ in bench.subjects()] + [f"mooncake/{k}" for k in SIZES]  # mooncake: when importable
         names += ["staging_gather/1MiB", "staging_scatter/1MiB"]  # the SGLang backend's copies: when torch is
