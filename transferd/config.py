@@ -578,12 +578,16 @@ def from_mapping(data: Mapping[str, Any], source: str = "<mapping>", env: Mappin
     return cfg
 
 
+# TRANSFERD_* variables that hold no setting: the pools' directory and the configuration file's path
+ENV_NOT_SETTINGS = frozenset({"TRANSFERD_SHM_DIR", "TRANSFERD_CONFIG"})
+
+
 def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
     """``TRANSFERD_<SECTION>_<KEY>`` (e.g. ``TRANSFERD_RECEIVER_BIND``) and ``TRANSFERD_RUN_DIR``,
     ``TRANSFERD_LOG_LEVEL``, ``TRANSFERD_LOG_FORMAT``. Unknown ``TRANSFERD_`` names are errors
     (except the few that are not configuration, such as ``TRANSFERD_SHM_DIR``)."""
     for name, value in env.items():
-        if not name.startswith("TRANSFERD_") or name in ("TRANSFERD_SHM_DIR", "TRANSFERD_CONFIG"):
+        if not name.startswith("TRANSFERD_") or name in ENV_NOT_SETTINGS:
             continue
         rest = name[len("TRANSFERD_"):].lower()
         if rest in _TOP:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...client import DecodeClient, PrefillClient
-from ...config import Config, load
+from ...config import ENV_NOT_SETTINGS, Config, load
 from ...errors import ClientTimeout, TransferdError
 from ...layout import PoolLayout
 from ...pool.shm import Pool, shm_dir
@@ -76,18 +76,13 @@ def bulk_model(key: str) -> dict[str, Any]:
             "kv_format": "mla", "kv_token_elems": row // (16 * 2), "aux_row_bytes": 64}
 
 
-# TRANSFERD_* variables that hold no setting (config.py reads none from them): the daemons keep them
-NOT_SETTINGS = ("TRANSFERD_SHM_DIR",)
-
-
 def daemon_base_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     """The base environment of the bench's daemons: ``environ`` without its ``TRANSFERD_*``
-    variables, since the bench gives every daemon its settings itself, so that runs compare, and
-    the settings among those dropped (``TRANSFERD_CONFIG`` names a file, not a setting: the bench
-    writes its own)."""
-    dropped = [k for k in environ if k.startswith("TRANSFERD_") and k not in NOT_SETTINGS]
-    return ({k: v for k, v in environ.items() if k not in dropped},
-            sorted(k for k in dropped if k != "TRANSFERD_CONFIG"))
+    settings, since the bench gives every daemon its settings itself, so that runs compare, nor
+    ``TRANSFERD_CONFIG`` (the bench writes its own files); and the settings it dropped."""
+    settings = sorted(k for k in environ if k.startswith("TRANSFERD_") and k not in ENV_NOT_SETTINGS)
+    drop = {*settings, "TRANSFERD_CONFIG"}
+    return {k: v for k, v in environ.items() if k not in drop}, settings
 
 
 class Fleet:
