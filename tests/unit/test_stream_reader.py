@@ -159,6 +159,32 @@ def test_streams_in_a_payload_at_once_read_larger_chunks_and_the_count_returns_t
     assert closed == [""]
 
 
+def test_the_stream_ending_inside_a_large_view_is_named_and_what_came_is_in_place() -> None:
+    """The sender stops in the middle of a view many reads long (the reads' own loop): the
+    stream closes "in mid-message", every byte that came is in place and counted, none after."""
+    payload = os.urandom(6 * RECV_CHUNK)
+    sent = 2 * RECV_CHUNK + 12345
+
+    async def main() -> tuple[bytes, list[str], int]:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        dst = bytearray(len(payload))
+        handler = Handler([memoryview(dst)])
+        reader = StreamReader(a, "test", handler, max_payload=len(payload), scratch=memoryview(bytearray(64)),
+                              budget=3)
+        start = HELLO_MAGIC + b"k" * KEY_BYTES + PREFIX.pack(3, len(payload)) + b"hdr"
+        b.sendall(start + payload[:sent])
+        b.close()
+        while not handler.closed:
+            await asyncio.sleep(0.005)
+        return bytes(dst), handler.closed, reader.rx_bytes - len(start)
+
+    got, closed, counted = asyncio.run(main())
+    assert len(closed) == 1 and "closed in mid-message" in closed[0], closed
+    assert got[:sent] == payload[:sent] and not any(got[sent:])
+    assert counted == sent
+
+
 def _flood(n: int, pause_after: int | None = None) -> tuple[list[bytes], list[int], int, list[str]]:
     """``n`` records without a payload (a batch's ``done`` records) written at once; returns the
     headers the handler saw, the reads' sizes, how many turns a ticking task got meanwhile and

@@ -372,10 +372,36 @@ class StreamReader:
             elif drained or reads >= self.budget:
                 return  # the loop's readiness is level-triggered: it calls again while bytes wait
             else:
-                reads += 1
                 ahead_read = self._state != "payload"
                 # at each read: a record's header read in this call may have just entered its payload
                 chunk = RECV_CHUNK if self._busy[0] <= 1 else MULTI_RECV_CHUNK
+                if not ahead_read and left > chunk:
+                    # inside a view larger than a read: chunk after chunk in a loop of its own, the
+                    # general loop's bookkeeping once for all of them; its last chunk (which may
+                    # fill the next views too) is the general loop's
+                    start, end, k = got, len(view) - chunk, 0
+                    try:
+                        while True:
+                            reads += 1
+                            k = recv_into(view[got:got + chunk])
+                            got += k
+                            if k < chunk or got >= end or reads >= self.budget:
+                                break
+                    except BlockingIOError:
+                        k = -1
+                    except OSError as exc:
+                        self.close(f"data stream from {self.addr} broken: {exc}")
+                        return
+                    self.rx_bytes += got - start
+                    self._got = got
+                    if not k:
+                        self.close(f"data stream from {self.addr} closed in mid-message")
+                        return
+                    if k < 0:
+                        return
+                    drained = k < chunk
+                    continue
+                reads += 1
                 try:
                     if ahead_read:  # a hello, a prefix or a header: take the records behind it too
                         asked, n = len(ahead), recv_into(ahead)
