@@ -75,6 +75,28 @@ def test_demo_over_mooncake_is_byte_exact_and_moves_every_byte_by_engine_reads(
     assert s["state_bytes_skipped"] == ((cp - 1) * s["expected_bytes"]["state"] if split == "pages" else 0)
 
 
+def test_demo_passes_exported_settings_to_its_daemons_and_names_the_ones_it_sets(tmp_path: Path) -> None:
+    """Pools in another directory (``TRANSFERD_SHM_DIR``: the daemons once made theirs in /dev/shm
+    whatever it said, and the demo, looking in the right place, found none), a setting exported
+    for the run (no data stream: every byte on the ZeroMQ socket), and one the demo chooses itself
+    (an address: named on stderr, not silently replaced)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = _env(tmp_path) | {"TRANSFERD_SHM_DIR": str(shm), "TRANSFERD_SENDER_DATA_STREAM": "off",
+                            "TRANSFERD_RECEIVER_BIND": "tcp://127.0.0.1:9"}
+    proc = subprocess.run([sys.executable, "-m", "transferd", "demo", "--cp-size", "2", "--same-host", "off",
+                           "--rooms", "6", "--json", "-"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(proc.stdout)
+    assert s["rooms_ok"] == 6 and s["rooms_failed"] == 0 and s["mismatched_bytes"] == 0 and s["stray_bytes"] == 0
+    moved = sum(s["wire_bytes"].values())
+    assert s["bytes_by_path"] == {"zmq": moved, "stream": 0, "same_host": 0, "mooncake": 0, "nixl": 0} and moved > 0
+    named = [line for line in proc.stderr.splitlines() if "not passed on to its daemons" in line]
+    assert len(named) == 1 and named[0].endswith(": TRANSFERD_RECEIVER_BIND"), proc.stderr
+    assert list(shm.iterdir()) == []  # the pools were made there and removed at the end
+
+
 def test_demo_fails_loudly_when_its_pools_are_too_small(tmp_path: Path) -> None:
     cfg = (ROOT / "configs" / "local.toml").read_text().replace("kv_pages = 1024\nstate_slots = 64\naux_slots = 64\n"
                                                                "max_message_bytes", "kv_pages = 16\nstate_slots = 64\n"

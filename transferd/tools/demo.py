@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,10 +26,10 @@ from typing import Any, TextIO
 import numpy as np
 
 from ..client import DecodeClient, PrefillClient
-from ..config import Config, load
+from ..config import ENV_NOT_SETTINGS, Config, ReceiverConfig, SenderConfig, load
 from ..errors import ClientTimeout, ConfigError, TransferdError, UnknownRoom
 from ..layout import KINDS
-from ..pool.shm import Pool
+from ..pool.shm import Pool, shm_dir
 from .faults import FAULT_KINDS, PAUSE_S, Fault, HostilePeer, parse_fault
 from .launcher import Launcher
 from .ops import write_json
@@ -86,11 +86,21 @@ class Summary:
 
 def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
               faults: Sequence[Fault] = ()) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
+    """The daemons' environment: this process's, with its ``TRANSFERD_*`` settings passed on (one
+    exported for a demo reaches its daemons, as ``TRANSFERD_SHM_DIR`` must) except
+    ``TRANSFERD_CONFIG`` (the daemons get the file by name), then the demo's own on top: the run
+    directory, every address, socket and pool name (a demo never collides with a running
+    service), the settings taken from ``base`` and what its faults need.
+    :func:`overridden_settings` names the exported ones this replaced."""
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFERD_CONFIG"}
+    rx, tx = ReceiverConfig(), SenderConfig()
     env.update({
         "TRANSFERD_RUN_DIR": run_dir,
         "TRANSFERD_LOG_LEVEL": base.log_level,
         "TRANSFERD_RECEIVER_BIND": "tcp://127.0.0.1:*",
+        "TRANSFERD_RECEIVER_STREAM_PORT": "0",
+        "TRANSFERD_RECEIVER_ENGINE_SOCKET": rx.engine_socket,
+        "TRANSFERD_SENDER_ENGINE_SOCKET": tx.engine_socket,
         "TRANSFERD_RECEIVER_POOL": f"{tag}-{{name}}",
         "TRANSFERD_SENDER_POOL": f"{tag}-{{group}}-r{{rank}}",
         "TRANSFERD_SENDER_CP_SIZE": str(base.sender.cp_size),
@@ -118,6 +128,13 @@ def child_env(cfg_path: str | None, base: Config, run_dir: str, tag: str,
             if base.sender.checksum == "none":  # corruption must be caught: turn the integrity option on
                 env["TRANSFERD_SENDER_CHECKSUM"] = "xxh3"
     return env
+
+
+def overridden_settings(env: Mapping[str, str]) -> list[str]:
+    """The ``TRANSFERD_*`` settings exported here that the daemons' environment ``env`` replaces
+    (or leaves out): the demo says so rather than run with them silently ignored."""
+    return sorted(k for k, v in os.environ.items()
+                  if k.startswith("TRANSFERD_") and k not in ENV_NOT_SETTINGS and env.get(k) != v)
 
 
 class _Alloc:
@@ -190,6 +207,10 @@ def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
     faults = [parse_fault(f, base.sender.cp_size) for f in fault_specs or []]
     with tempfile.TemporaryDirectory(prefix="transferd-demo-") as run_dir:
         env = child_env(cfg_path, base, run_dir, tag, faults)
+        replaced = overridden_settings(env)
+        if replaced:
+            print(f"transferd demo: not passed on to its daemons as exported (the demo sets these itself): "
+                  f"{', '.join(replaced)}", file=sys.stderr)
         cfg = load(cfg_path, env=env)
         cfg = cfg.with_overrides("demo", **{k: getattr(base.demo, k) for k in base.demo.__dataclass_fields__})
         launcher = Launcher(cfg, cfg_path, env=env, log_dir=Path(run_dir) / "logs")
@@ -201,7 +222,7 @@ def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
             raise
         finally:
             launcher.stop()
-            for f in Path("/dev/shm").glob(f"transferd-{tag}-*"):  # pools of killed daemons
+            for f in shm_dir().glob(f"transferd-{tag}-*"):  # pools of killed daemons
                 f.unlink(missing_ok=True)
         if not _passed(summary, cfg):
             dump_logs(Path(run_dir) / "logs")
