@@ -137,6 +137,14 @@ def overridden_settings(env: Mapping[str, str]) -> list[str]:
                   if k.startswith("TRANSFERD_") and k not in ENV_NOT_SETTINGS and env.get(k) != v)
 
 
+def say_overridden(tool: str, env: Mapping[str, str]) -> None:
+    """Name on stderr the exported settings ``env`` replaces (``tool``: "demo", "soak")."""
+    replaced = overridden_settings(env)
+    if replaced:
+        print(f"transferd {tool}: not passed on to its daemons as exported (the {tool} sets these itself): "
+              f"{', '.join(replaced)}", file=sys.stderr)
+
+
 class _Alloc:
     """Row allocator over one pool dimension (random order, so runs are sometimes contiguous)."""
 
@@ -207,10 +215,7 @@ def run_demo(base: Config, cfg_path: str | None, json_path: str | None = None,
     faults = [parse_fault(f, base.sender.cp_size) for f in fault_specs or []]
     with tempfile.TemporaryDirectory(prefix="transferd-demo-") as run_dir:
         env = child_env(cfg_path, base, run_dir, tag, faults)
-        replaced = overridden_settings(env)
-        if replaced:
-            print(f"transferd demo: not passed on to its daemons as exported (the demo sets these itself): "
-                  f"{', '.join(replaced)}", file=sys.stderr)
+        say_overridden("demo", env)
         cfg = load(cfg_path, env=env)
         cfg = cfg.with_overrides("demo", **{k: getattr(base.demo, k) for k in base.demo.__dataclass_fields__})
         launcher = Launcher(cfg, cfg_path, env=env, log_dir=Path(run_dir) / "logs")

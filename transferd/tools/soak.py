@@ -37,7 +37,7 @@ from typing import Any, TextIO
 
 from ..config import Config, load
 from ..pool.shm import shm_dir
-from .demo import DemoRoom, RoomRunner, Summary, child_env, overridden_settings
+from .demo import DemoRoom, RoomRunner, Summary, child_env, say_overridden
 from .faults import FAULT_KINDS, Fault
 from .launcher import Launcher
 from .ops import table, write_json
@@ -259,10 +259,7 @@ def run_soak(base: Config, cfg_path: str | None, seconds: float, json_path: str 
               "delivery and runs with the de-dup on", file=sys.stderr)
         return 2
     out = sys.stderr if json_path == "-" else sys.stdout
-    replaced = overridden_settings({**child_env(cfg_path, base, "", tag), **CLOCKS})
-    if replaced:
-        print(f"transferd soak: not passed on to its daemons as exported (the soak sets these itself): "
-              f"{', '.join(replaced)}", file=sys.stderr)
+    say_overridden("soak", {**child_env(cfg_path, base, "", tag), **CLOCKS})
     records: list[dict[str, Any]] = []
     interrupt = False
     with tempfile.TemporaryDirectory(prefix="transferd-soak-") as tmp:
