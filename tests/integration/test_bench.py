@@ -184,6 +184,10 @@ def test_peers_and_table(run: tuple[dict[str, Any], str]) -> None:
         assert out["peers"] == {} and "not installed" in out["notes"]["peers"]
     for name in ("memcpy", "raw pyzmq", "small rooms", "CP de-dup", "targets:", "0 mismatched bytes"):
         assert name in table, name
+    # the host as it bears on the figures: its kernel (and the scheduler's parameters it was booted with)
+    h = out["host"]
+    assert h["kernel"] == os.uname().release and isinstance(h["kernel_sched_params"], dict)
+    assert f"kernel {h['kernel']}" in table
 
 
 def test_a_setting_in_the_environment_is_named_as_not_passed_on(run: tuple[dict[str, Any], str]) -> None:

@@ -204,11 +204,60 @@ def met(v: float | None, target: float, at_least: bool) -> bool | None:
 
 
 
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def cpu_model(cpuinfo: str | None) -> str | None:
+    """The first ``model name`` of ``/proc/cpuinfo``'s text, with its ``model`` number (a vCPU's
+    name is often only "Intel(R) Xeon(R) Processor")."""
+    name = model = None
+    for line in (cpuinfo or "").splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name is None:
+            name = value.strip()
+        elif key == "model" and model is None:
+            model = value.strip()
+    if name is None:
+        return None
+    return f"{name} (model {model})" if model else name
+
+
+def sched_params(cmdline: str | None) -> dict[str, str]:
+    """The kernel command line's scheduler and CPU-idle parameters (``sched_*``, ``cpuidle*``,
+    ``haltpoll*``, ``isolcpus``, ``nohz*``, ``idle``): they move every figure of the bench, and
+    some kernels carry their own (a guest kernel's ``sched_vcpu_pack``, docs/PERFORMANCE.md,
+    sixteenth round)."""
+    out: dict[str, str] = {}
+    for word in (cmdline or "").split():
+        if word == "--":  # what follows is init's, not the kernel's
+            break
+        key, _, value = word.partition("=")
+        if key.startswith(("sched_", "cpuidle", "haltpoll", "nohz")) or key in ("isolcpus", "idle"):
+            out[key] = value
+    return out
+
+
 def host() -> dict[str, Any]:
+    """The host as it bears on the figures: CPUs (and those this process may use), load, kernel,
+    the scheduler's and TCP's settings, and the versions of what carries the bytes."""
     try:
         load_avg = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load_avg = []
-    return {"cpus": os.cpu_count(), "loadavg": load_avg, "python": platform.python_version(),
+    try:
+        allowed: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = None
+    return {"cpus": os.cpu_count(), "cpus_allowed": allowed, "loadavg": load_avg,
+            "cpu_model": cpu_model(_read("/proc/cpuinfo")), "kernel": platform.release(),
+            "kernel_sched_params": sched_params(_read("/proc/cmdline")),
+            "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
+            "tcp_congestion_control": _read("/proc/sys/net/ipv4/tcp_congestion_control"),
+            "python": platform.python_version(),
             "pyzmq": zmq.pyzmq_version(), "libzmq": zmq.zmq_version(), "numpy": np.__version__,
             "machine": platform.machine(), "system": platform.system()}

@@ -511,13 +511,25 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
-def format_table(out: dict[str, Any]) -> str:
+def table_header(out: dict[str, Any]) -> list[str]:
+    """The table's first lines: the run's shape, and the host as it bears on the figures."""
     h = out["host"]
     rounds = f"{out['repeats']}" + (f" (the 1 MiB block {out['target_repeats']} times)"
                                    if out.get("target_repeats", out["repeats"]) != out["repeats"] else "")
     lines = [f"transferd bench ({'quick' if out['quick'] else 'full'}): {rounds} interleaved rounds, "
              f"medians; {h['cpus']} CPUs, load {h.get('loadavg_before', [])} → {h['loadavg']}; "
-             f"pyzmq {h['pyzmq']} / libzmq {h['libzmq']}; GB/s = 1e9 B/s", ""]
+             f"pyzmq {h['pyzmq']} / libzmq {h['libzmq']}; GB/s = 1e9 B/s"]
+    if h.get("kernel"):
+        sched = " ".join(f"{k}={v}" if v else k for k, v in h.get("kernel_sched_params", {}).items())
+        lines.append(f"{h.get('cpu_model') or 'CPU ?'}; kernel {h['kernel']}"
+                     + (f" ({sched})" if sched else "")
+                     + (f"; cpuidle {h['cpuidle_driver']}" if h.get("cpuidle_driver") else "")
+                     + (f"; TCP {h['tcp_congestion_control']}" if h.get("tcp_congestion_control") else ""))
+    return lines
+
+
+def format_table(out: dict[str, Any]) -> str:
+    lines = [*table_header(out), ""]
     lim, bulk = out["limits"], out["bulk"]
     keys = list(SIZES)
     w = 12
