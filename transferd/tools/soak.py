@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -62,6 +62,16 @@ CLOCKS = {  # a dead peer is seen within 2 s (a loaded 2-core host stays clear o
     "TRANSFERD_RECEIVER_STALL_TIMEOUT_S": "5",
 }
 ENGINE_TIMEOUT_S = 5.0  # the synthetic engines' API calls
+
+
+def fleet_env(cfg_path: str | None, base: Config, run_dir: str, tag: str, faults: Sequence[Fault] = (),
+              starts: int = 0) -> dict[str, str]:
+    """A fleet's daemons' environment: the demo's (:func:`.demo.child_env`), the soak's clocks and
+    the faults' seed of this start."""
+    env = child_env(cfg_path, base, run_dir, tag, faults)
+    env.update(CLOCKS)
+    env["TRANSFERD_FAULTS_SEED"] = str(starts)
+    return env
 ROOM_TIMEOUT_S = 30.0  # demo.timeout_s: a room with no outcome by then counts as failed (demo_timeout)
 
 
@@ -128,9 +138,7 @@ class FleetLoop(threading.Thread):
         """Start the fleet's daemons (with ``faults``' ``[faults]`` settings) and a runner on them."""
         soak = self.soak
         run_dir = soak.run_dir / self.fleet
-        env = child_env(soak.cfg_path, soak.base, str(run_dir), f"{soak.tag}-{self.fleet}", faults)
-        env.update(CLOCKS)
-        env["TRANSFERD_FAULTS_SEED"] = str(self.starts)
+        env = fleet_env(soak.cfg_path, soak.base, str(run_dir), f"{soak.tag}-{self.fleet}", faults, self.starts)
         cfg = load(soak.cfg_path, env=env)
         cfg = cfg.with_overrides("demo", **{k: getattr(soak.base.demo, k) for k in soak.base.demo.__dataclass_fields__})
         cfg = cfg.with_overrides("demo", timeout_s=ROOM_TIMEOUT_S)
@@ -259,7 +267,7 @@ def run_soak(base: Config, cfg_path: str | None, seconds: float, json_path: str 
               "delivery and runs with the de-dup on", file=sys.stderr)
         return 2
     out = sys.stderr if json_path == "-" else sys.stdout
-    say_overridden("soak", {**child_env(cfg_path, base, "", tag), **CLOCKS})
+    say_overridden("soak", fleet_env(cfg_path, base, "", tag))
     records: list[dict[str, Any]] = []
     interrupt = False
     with tempfile.TemporaryDirectory(prefix="transferd-soak-") as tmp:

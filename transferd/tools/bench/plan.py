@@ -203,7 +203,6 @@ def met(v: float | None, target: float, at_least: bool) -> bool | None:
     return v >= target if at_least else v <= target
 
 
-
 def _read(path: str) -> str | None:
     try:
         return Path(path).read_text().strip()
