@@ -85,6 +85,19 @@ def test_limits_and_bulk_have_a_figure_per_size(run: tuple[dict[str, Any], str])
     assert out["ratios"]["tcp_vs_raw_zmq"] == out["bulk"]["1MiB"]["vs_raw_zmq"]
 
 
+def test_the_raw_pair_of_two_idle_processes(run: tuple[dict[str, Any], str]) -> None:
+    """The raw TCP connection between two processes of their own (both idle between measurements,
+    as the daemons are), in the 1 MiB block beside the raw TCP limit and transferd's rooms."""
+    out, table = run
+    pair = out["limits"]["raw_tcp_pair"]["1MiB"]
+    assert len(pair["rounds"]) == out["target_repeats"] == len(out["limits"]["raw_tcp"]["1MiB"]["rounds"])
+    for k in ("gbps", "vs_raw_tcp", "receiver_cpu_s_per_gb", "sender_cpu_s_per_gb"):
+        assert _pos(pair[k]), (k, pair)
+    assert _pos(out["bulk"]["1MiB"]["vs_raw_tcp_pair"])
+    assert out["ratios"]["tcp_vs_raw_tcp_pair"] == out["bulk"]["1MiB"]["vs_raw_tcp_pair"]
+    assert "raw tcp pair, two idle processes" in table and "× raw tcp pair (two idle)" in table
+
+
 def test_cp8_bulk_beside_eight_raw_tcp_connections(run: tuple[dict[str, Any], str]) -> None:
     """Eight sender daemons (one cp 8 group) into one receiver on the bytes of one cp 1 bulk/1MiB
     measurement, beside eight raw TCP connections into one process, in one block; rooms verified

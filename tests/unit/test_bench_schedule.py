@@ -21,7 +21,7 @@ def _names() -> list[str]:
         if cp > 1:
             out.append(f"dedup_off/{cp}")
     out += [f"small/{cp}" for cp in SMALL_CPS]
-    out += ["bulk_cp8/1MiB", "raw_tcp_x8/1MiB"]
+    out += ["bulk_cp8/1MiB", "raw_tcp_x8/1MiB", "raw_tcp_pair/1MiB"]
     return out
 
 
@@ -39,6 +39,7 @@ def _ratio_pairs() -> list[tuple[str, str]]:
     pairs += [("bulk_zmq/1MiB", "raw_zmq/1MiB"), ("bulk/1MiB", "bulk_zmq/1MiB")]
     pairs += [(f"dedup_on/{cp}", f"dedup_off/{cp}") for cp in DEDUP_CPS if cp > 1]
     pairs.append(("bulk_cp8/1MiB", "raw_tcp_x8/1MiB"))  # the CP8 block
+    pairs += [("raw_tcp_pair/1MiB", "raw_tcp/1MiB"), ("bulk/1MiB", "raw_tcp_pair/1MiB")]  # the raw pair
     return pairs
 
 

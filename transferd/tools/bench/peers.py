@@ -1,8 +1,9 @@
 """The baselines beside transferd: one-thread memcpy between two buffers of a shared-memory pool,
 raw pyzmq PUSH/PULL and a raw TCP socket from a sender in its own process
 (:func:`raw_zmq_sender_main`), and Mooncake Transfer Engine's TCP transport when it is importable
-(:class:`Mooncake`, target :func:`mooncake_target_main`), and eight raw TCP connections from
-eight sender processes (:mod:`.tcp_sender`) into this one, beside the CP8 bulk rooms. The limits'
+(:class:`Mooncake`, target :func:`mooncake_target_main`), eight raw TCP connections from
+eight sender processes (:mod:`.raw_tcp`) into this one, beside the CP8 bulk rooms, and the raw
+TCP pair: a sender and a receiver process of :mod:`.raw_tcp`, both idle between measurements. The limits'
 pool holds the source in buffer 0 and the destination in buffer 1, as many bytes as a bulk
 measurement."""
 
@@ -34,7 +35,7 @@ from ...transport.data_stream import MULTI_RECV_CHUNK, RECV_CHUNK
 from ...transport.planes.same_host import PoolFile, SameHostEngine, SameHostReceiver, cut, map_read_only, unmap
 from ..procs import ProcessGroup, popen
 from .plan import CP8, POISON, SIZES, Filler, MiB, Plan, cpu_seconds, repo_root
-from .tcp_sender import CMD
+from .raw_tcp import CMD, PORT, recv_exact
 
 
 class Limits:
@@ -51,8 +52,12 @@ class Limits:
         self.tcp_listen: socket.socket | None = None
         self.tcp: socket.socket | None = None  # the raw TCP limit's receiving end
         self.x8_listen: socket.socket | None = None
-        self.x8: list[subprocess.Popen[bytes]] = []  # the eight raw TCP senders (.tcp_sender)
+        self.x8: list[subprocess.Popen[bytes]] = []  # the eight raw TCP senders (.raw_tcp)
         self.x8_socks: list[socket.socket] = []  # their connections' receiving ends
+        self.procs: ProcessGroup | None = None
+        self.pair_listen: socket.socket | None = None
+        self.pair: list[subprocess.Popen[bytes]] = []  # the raw pair's receiver and sender (.raw_tcp)
+        self.pair_ctrl: socket.socket | None = None  # the bench's connection to the pair's receiver
         self.mooncake: Mooncake | None = None
 
     @property
@@ -69,8 +74,10 @@ class Limits:
         # the baseline is tuned like the daemons: its receiver (here) and its sender keep message
         # buffers mapped (transferd/malloc.py)
         keep_message_buffers_mapped()
+        self.procs = procs
         self._start_raw_sender(procs)
         self._start_x8_senders(procs)
+        self._start_pair(procs)
         if importlib.util.find_spec("mooncake") is None:
             notes["peers"] = ("mooncake-transfer-engine-non-cuda is not installed: no Mooncake column "
                               "(pip install mooncake-transfer-engine-non-cuda; it needs Debian's libibverbs1)")
@@ -109,12 +116,41 @@ class Limits:
         assert self.pool is not None
         self.x8_listen = socket.create_server(("127.0.0.1", 0), backlog=CP8)
         self.x8_listen.settimeout(60)
-        script = str(Path(__file__).with_name("tcp_sender.py"))
+        script = str(Path(__file__).with_name("raw_tcp.py"))
         src = self.pool.rows[0]
         for k in range(CP8):
-            argv = [sys.executable, script, f"127.0.0.1:{self.x8_listen.getsockname()[1]}",
+            argv = [sys.executable, script, "send", f"127.0.0.1:{self.x8_listen.getsockname()[1]}",
                     str(pool_path(self.pool.name)), str(self.pool.offsets[0]), str(src.nbytes)]
             self.x8.append(procs.spawn(f"raw-tcp-sender-{k}", argv, {}).proc)
+
+    def _start_pair(self, procs: ProcessGroup) -> None:
+        """The raw pair's receiver: it maps buffer 1 of the pool and connects here (its sender is
+        started once it has said where to connect, :meth:`wait_ready`)."""
+        assert self.pool is not None
+        self.pair_listen = socket.create_server(("127.0.0.1", 0))
+        self.pair_listen.settimeout(60)
+        dst = self.pool.rows[1]
+        argv = [sys.executable, str(Path(__file__).with_name("raw_tcp.py")), "receive",
+                str(self.pair_listen.getsockname()[1]), str(pool_path(self.pool.name)), str(self.pool.offsets[1]),
+                str(dst.nbytes), str(RECV_CHUNK)]
+        self.pair.append(procs.spawn("raw-tcp-pair-receiver", argv, {}).proc)
+
+    def _pair_ready(self, check: Callable[[], None]) -> None:
+        """The pair's receiver says its port; its sender is started and connects to it."""
+        assert self.pool is not None and self.pair_listen is not None and self.procs is not None
+        ctrl, _ = self.pair_listen.accept()
+        ctrl.settimeout(60)
+        ctrl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.pair_ctrl = ctrl
+        port = PORT.unpack(recv_exact(ctrl, PORT.size))[0]
+        src = self.pool.rows[0]
+        argv = [sys.executable, str(Path(__file__).with_name("raw_tcp.py")), "send", f"127.0.0.1:{port}",
+                str(pool_path(self.pool.name)), str(self.pool.offsets[0]), str(src.nbytes)]
+        self.pair.append(self.procs.spawn("raw-tcp-pair-sender", argv, {}).proc)
+        check()
+        if recv_exact(ctrl, 1) != b"r":
+            raise TransferdError("bench: the raw tcp pair did not connect")
+        ctrl.settimeout(30)
 
     def wait_ready(self, check: Callable[[], None]) -> None:
         """Until the raw sender says it is ready (``check`` raises if a child died meanwhile)."""
@@ -135,6 +171,7 @@ class Limits:
             conn, _ = self.x8_listen.accept()
             conn.setblocking(False)
             self.x8_socks.append(conn)
+        self._pair_ready(check)
 
     # -- subjects ------------------------------------------------------------------------
     def memcpy(self, key: str) -> dict[str, Any]:
@@ -260,6 +297,29 @@ class Limits:
                     got += k
         return self._raw(key, "tcp", receive)
 
+    def raw_tcp_pair(self, key: str) -> dict[str, Any]:
+        """The raw TCP pair: the same messages as ``raw_tcp`` on one plain TCP connection between
+        two processes of their own (:mod:`.raw_tcp`), both idle since their last measurement, as
+        transferd's daemons are; timed here from the command to the receiver's answer. CPU of
+        both ends."""
+        assert self.pair_ctrl is not None and len(self.pair) == 2
+        size = SIZES[key]
+        n = self.total // size
+        pids = [p.pid for p in self.pair]
+        cpu0 = [cpu_seconds(pid) for pid in pids]
+        t0 = time.perf_counter()
+        self.pair_ctrl.sendall(CMD.pack(0, n * size, size))
+        if recv_exact(self.pair_ctrl, 1) != b"d":
+            raise TransferdError("bench: the raw tcp pair did not finish (see raw-tcp-pair-*.log)")
+        dt = time.perf_counter() - t0
+        cpu1 = [cpu_seconds(pid) for pid in pids]
+        out: dict[str, Any] = {"gbps": n * size / dt / 1e9}
+        if None not in cpu0 and None not in cpu1:
+            gb = n * size / 1e9
+            out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
+            out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
+        return out
+
     def raw_tcp_x8(self, key: str) -> dict[str, Any]:
         """Eight raw TCP connections into this one process, beside the CP8 bulk rooms: each of
         the eight sender processes sends its eighth of the bulk bytes in messages of ``key``'s
@@ -344,7 +404,10 @@ class Limits:
         for s in self.x8_socks:  # the eight raw TCP senders: the closed connection ends them
             s.close()
         self.x8_socks = []
-        for p in self.x8:
+        if self.pair_ctrl is not None:  # the pair's receiver, and with it its sender
+            self.pair_ctrl.close()
+            self.pair_ctrl = None
+        for p in (*self.x8, *self.pair):
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
@@ -361,7 +424,7 @@ class Limits:
         for s in (self.pull, self.ctrl):
             if s is not None:
                 s.close(linger=0)
-        for t in (self.tcp, self.tcp_listen, self.x8_listen, *self.x8_socks):
+        for t in (self.tcp, self.tcp_listen, self.x8_listen, *self.x8_socks, self.pair_listen, self.pair_ctrl):
             if t is not None:
                 t.close()
         if self.raw_ctx is not None:

@@ -43,7 +43,12 @@ LIMITS_NOTE = ("memcpy: np.copyto from one shared-memory pool buffer into anothe
                "(one kernel copy a side): what any TCP transport can reach on this host. raw_tcp_x8: eight "
                "such connections from eight sender processes, each with an eighth of the bytes, into this "
                "one process (non-blocking sockets, a selector, recv_into straight into eight slices of the "
-               "destination): the limit beside the CP8 bulk rooms; sender CPU is the eight summed.")
+               "destination): the limit beside the CP8 bulk rooms; sender CPU is the eight summed. "
+               "raw_tcp_pair (1 MiB): the raw_tcp messages between two processes of their own "
+               "(transferd/tools/bench/raw_tcp.py), both idle since their last measurement as transferd's "
+               "receiver and sender daemons are, where raw_tcp's receiver is the bench's own process, busy "
+               "right up to each measurement; timed from the bench's command to the receiver's answer. "
+               "Not a target's limit: it shows what a rest costs a plain TCP pair on this host.")
 ZMQ_SOCKET_NOTE = ("the same rooms from a sender with data_stream = \"off\": data messages through the ZeroMQ "
                    "socket (the path with CURVE, or with the stream off); the 1MiB figures above went on a "
                    "data stream (stream_share = 1.0)")
@@ -106,6 +111,11 @@ def _limits(f: Figures, b: Bench) -> dict[str, Any]:
                                      "rounds": f.rounds(x8),
                                      "receiver_cpu_s_per_gb": rnd(f.med(x8, "receiver_cpu_s_per_gb"), 3),
                                      "sender_cpu_s_per_gb": rnd(f.med(x8, "sender_cpu_s_per_gb"), 3)}}
+    pair = "raw_tcp_pair/1MiB"
+    limits["raw_tcp_pair"] = {"1MiB": {"message_bytes": MiB, "gbps": rnd(f.med(pair, "gbps"), 3), "rounds": f.rounds(pair),
+                                       "vs_raw_tcp": rnd(f.paired(pair, "raw_tcp/1MiB"), 3),
+                                       "receiver_cpu_s_per_gb": rnd(f.med(pair, "receiver_cpu_s_per_gb"), 3),
+                                       "sender_cpu_s_per_gb": rnd(f.med(pair, "sender_cpu_s_per_gb"), 3)}}
     limits["bytes_per_measurement"] = b.plan.bulk_room_bytes * b.plan.bulk_rooms
     limits["notes"] = LIMITS_NOTE
     return limits
@@ -134,6 +144,7 @@ def _bulk(f: Figures, b: Bench) -> dict[str, Any]:
             "shm_share": rnd(f.med(name, "shm_share"), 4),
             "stream_share": rnd(f.med(name, "stream_share"), 4),
         }
+    bulk["1MiB"]["vs_raw_tcp_pair"] = rnd(f.paired("bulk/1MiB", "raw_tcp_pair/1MiB"), 3)
     return bulk
 
 
@@ -286,6 +297,7 @@ def _ratios(bulk: dict[str, Any], same_host_ratio: float | None, cp8: dict[str, 
         "tcp_vs_raw_zmq_by_size": by_size,
         "tcp_vs_raw_tcp": by_size_tcp.get("1MiB"),
         "tcp_vs_raw_tcp_by_size": by_size_tcp,
+        "tcp_vs_raw_tcp_pair": bulk["1MiB"]["vs_raw_tcp_pair"],
         "same_host_vs_memcpy": same_host_ratio,
         "cp8_tcp_vs_raw_tcp": cp8["vs_raw_tcp_x8"],
         "cp8_sender_cpu_vs_cp1": cp8["sender_cpu_vs_cp1"],
@@ -293,6 +305,8 @@ def _ratios(bulk: dict[str, Any], same_host_ratio: float | None, cp8: dict[str, 
                                     "same bytes, median of per-round ratios",
                   "tcp_vs_raw_tcp": "the same rooms vs one plain TCP connection (sendall / recv_into), same "
                                     "message size and bytes, median of per-round ratios",
+                  "tcp_vs_raw_tcp_pair": ("the same rooms vs the raw TCP pair: that connection between two "
+                                          "processes that idle between measurements as the daemons do (no target)"),
                   "same_host_vs_memcpy": ("transferd's same-host path, bulk rooms of 1 MiB rows, vs one-thread "
                                           "memcpy of 1 MiB pieces, median of per-round ratios"),
                   "cp8_tcp_vs_raw_tcp": ("eight sender daemons of one cp 8 group into one receiver, 1 MiB rows, "
@@ -325,9 +339,12 @@ def _targets(ratios: dict[str, Any], small: dict[str, Any], dedup: dict[str, Any
     out: dict[str, Any] = {}
     for key in ("1MiB", "256KiB", "64KiB"):
         t = TARGETS[f"tcp_vs_raw_tcp_{key}"]
+        pair = (f"; the raw pair, two idle processes, {_g(limits['raw_tcp_pair']['1MiB']['gbps'])} GB/s = "
+                f"{_g(limits['raw_tcp_pair']['1MiB']['vs_raw_tcp'])} × the raw tcp socket"
+                if key == "1MiB" and limits["raw_tcp_pair"]["1MiB"]["gbps"] is not None else "")
         out[f"bulk.{key}.vs_raw_tcp >= {t:g}"] = _target(
             bulk[key]["vs_raw_tcp"], f"tcp_vs_raw_tcp_{key}", True,
-            f"raw tcp socket {_g(limits['raw_tcp'][key]['gbps'])} GB/s, transferd {_g(bulk[key]['gbps'])} GB/s")
+            f"raw tcp socket {_g(limits['raw_tcp'][key]['gbps'])} GB/s, transferd {_g(bulk[key]['gbps'])} GB/s{pair}")
     out[f"same_host_vs_memcpy >= {TARGETS['same_host_vs_memcpy']:g}"] = _target(
         ratios["same_host_vs_memcpy"], "same_host_vs_memcpy", True,
         f"memcpy 1 MiB {_g(limits['memcpy']['1MiB']['gbps'])} GB/s, the ceiling of a sealed pool's memmove; the "
@@ -548,9 +565,17 @@ def format_table(out: dict[str, Any]) -> str:
         for side in ("receiver", "sender"):
             lines.append(f"  {side} CPU s/GB".ljust(34)
                          + "".join(_f(lim["raw_tcp"][k].get(f"{side}_cpu_s_per_gb")).rjust(w) for k in keys))
+    pair = lim.get("raw_tcp_pair", {}).get("1MiB", {})
+    if pair.get("gbps") is not None:
+        lines.append("raw tcp pair, two idle processes".ljust(34) + "".join(
+            (_f(pair["gbps"]) if k == "1MiB" else "").rjust(w) for k in keys)
+            + f"  ({_f(pair['vs_raw_tcp'])} × the raw tcp socket)")
     lines.append("transferd tcp (scattered) GB/s".ljust(34) + "".join(_f(bulk[k]["gbps"]).rjust(w) for k in keys))
     lines.append("  × raw pyzmq".ljust(34) + "".join(_f(bulk[k]["vs_raw_zmq"]).rjust(w) for k in keys))
     lines.append("  × raw tcp socket".ljust(34) + "".join(_f(bulk[k].get("vs_raw_tcp")).rjust(w) for k in keys))
+    if pair.get("gbps") is not None:
+        lines.append("  × raw tcp pair (two idle)".ljust(34) + "".join(
+            (_f(bulk[k].get("vs_raw_tcp_pair")) if k == "1MiB" else "").rjust(w) for k in keys))
     lines.append("  × memcpy".ljust(34) + "".join(_f(bulk[k]["vs_memcpy"]).rjust(w) for k in keys))
     lines.append("  receiver CPU s/GB".ljust(34) + "".join(_f(bulk[k]["receiver_cpu_s_per_gb"]).rjust(w) for k in keys))
     lines.append("  sender CPU s/GB".ljust(34) + "".join(_f(bulk[k]["sender_cpu_s_per_gb"]).rjust(w) for k in keys))

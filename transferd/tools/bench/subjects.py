@@ -433,6 +433,7 @@ class Bench:
         out.append(("bulk_zmq/1MiB", partial(self.bulk_room, "1MiB", "zmq")))
         out.append(("bulk_cp8/1MiB", self.bulk_cp8))  # the CP8 block: eight ranks beside eight raw connections
         out.append(("raw_tcp_x8/1MiB", partial(lim.raw_tcp_x8, "1MiB")))
+        out.append(("raw_tcp_pair/1MiB", partial(lim.raw_tcp_pair, "1MiB")))  # in the 1 MiB block
         for cp in DEDUP_CPS:
             out.append((f"dedup_on/{cp}", partial(self.dedup_on, cp)))
             if cp > 1:
