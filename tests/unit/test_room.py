@@ -18,6 +18,7 @@ from transferd.protocol.room import (
     RoomRequest,
     RoomState,
     RoomStatus,
+    TrackerShape,
     advance,
     run_ends,
 )
@@ -228,6 +229,33 @@ def test_coverage_any_order_completes_and_replays_are_duplicates(
         assert info.value.code == "duplicate"
     assert [tr.rank_done(r) for r in range(cp_size)] == [None] * cp_size
     assert tr.complete
+
+
+@pytest.mark.parametrize("split", list(SplitMode))
+def test_rooms_sharing_a_shape_keep_their_own_counts(split: SplitMode) -> None:
+    """The receiver builds one TrackerShape per plan list and every room with those plans starts
+    from it: what one room receives, and its own state rows, never reach another's tracker."""
+    plans = group_plans(LAYOUT, 3, split, len(REQ.dst_pages), REQ.prefix)
+    shape = TrackerShape(LAYOUT, plans)
+    bare = RoomRequest(room=2, group="g", dst_pages=REQ.dst_pages, prefix=REQ.prefix, state={}, aux_slot=1)
+    a = CoverageTracker(LAYOUT, 3, split, REQ, shape=shape)
+    b = CoverageTracker(LAYOUT, 3, split, bare, shape=shape)
+    fresh = CoverageTracker(LAYOUT, 3, split, REQ)  # its own shape, as without the cache
+    assert a.remaining == fresh.remaining and a.expected_bytes == fresh.expected_bytes
+    assert b.expected_bytes["state"] == 0 and b.expected_bytes["kv"] == a.expected_bytes["kv"]
+    for f in _frames(LAYOUT, 3, split, REQ):
+        a.accept(*f)
+    assert [a.rank_done(r) for r in range(3)] == [None] * 3 and a.complete
+    assert shape.remaining == CoverageTracker(LAYOUT, 3, split, bare).remaining  # the shape is unchanged
+    assert not b.kv_got.any() and not b.aux_got and not b.done
+    # a room without state rows refuses a state frame; the shared empty rows cannot be written
+    st_frame = next(f for f in _frames(LAYOUT, 3, split, REQ) if f[1] == STATE)
+    with pytest.raises(Refused):
+        b.accept(*st_frame)
+    assert all(not v.flags.writeable for v in b.state_dst.values())
+    for f in _frames(LAYOUT, 3, split, bare):
+        b.accept(*f)
+    assert [b.rank_done(r) for r in range(3)] == [None] * 3 and b.complete
 
 
 def test_multi_row_frames_contiguous_and_scattered_destinations() -> None:

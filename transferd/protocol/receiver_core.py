@@ -22,8 +22,8 @@ from ..layout import PoolLayout, layout_difference
 from ..types import KIND_LABELS, NAME_RE, SplitMode
 from .checksum import checksum_function
 from .messages import Assign, Data, DataRef, DataRefs, Done, Fail, Ping, Register, Registered, Status
-from .policy import RankPlan, group_plans
-from .room import CoverageTracker, RoomRequest, RoomState, RoomStatus, advance
+from .policy import group_plans
+from .room import CoverageTracker, RoomRequest, RoomState, RoomStatus, TrackerShape, advance
 
 AUX_GUARD = np.dtype("<u8")
 NUDGE_EVERY_S = 1.0  # an unknown identity is asked to register at most this often
@@ -197,7 +197,7 @@ class ReceiverCore:
         self._next_tok = first_token
         self._nudged: dict[bytes, float] = {}
         self._answered: dict[bytes, float] = {}  # identities whose registration was refused: when last told
-        self._plans: dict[tuple[int, SplitMode, int, int, bool], list[RankPlan]] = {}
+        self._plans: dict[tuple[int, SplitMode, int, int, bool], TrackerShape] = {}
         self._row_bytes = [b.row_bytes for b in layout.buffers]
         self._kind_of = [b.kind for b in layout.buffers]
         self._max_row_bytes = max(self._row_bytes)
@@ -451,12 +451,12 @@ class ReceiverCore:
                                                req.state, req.aux_slot)))
         if room.tracker is None:
             key = (group.cp_size, group.split, len(req.dst_pages), req.prefix, group.dedup)
-            plans = self._plans.get(key)
-            if plans is None:  # plans depend only on these five values: most rooms reuse one
+            shape = self._plans.get(key)
+            if shape is None:  # plans depend only on these five values: most rooms reuse one
                 if len(self._plans) > 4096:
                     self._plans.clear()
-                plans = self._plans[key] = group_plans(self.layout, *key)
-            room.tracker = CoverageTracker(self.layout, group.cp_size, group.split, req, plans)
+                shape = self._plans[key] = TrackerShape(self.layout, group_plans(self.layout, *key))
+            room.tracker = CoverageTracker(self.layout, group.cp_size, group.split, req, shape=shape)
         if len(room.assigned) == group.cp_size:
             room.status = advance(room.status, RoomStatus(RoomState.WAITING))
             room.last_progress = now

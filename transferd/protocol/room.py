@@ -133,6 +133,34 @@ def runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
     return list(itertools.pairwise(edges))
 
 
+class TrackerShape:
+    """What a :class:`CoverageTracker` takes from its plans alone, the same for every room with
+    those plans (the receiver keeps one beside each plan list it caches): the KV rows and aux row
+    each rank owes and their bytes, which state buffers each rank sends (their rows come from the
+    room's request), the buffers' lookups."""
+
+    __slots__ = ("expected_bytes", "kv_bufs", "kv_local", "no_state", "plans", "remaining", "state_rows")
+
+    def __init__(self, layout: PoolLayout, plans: list[RankPlan]) -> None:
+        self.plans = plans
+        self.kv_local = {b: i for i, b in enumerate(layout.indices("kv"))}
+        self.kv_bufs = [frozenset(p.kv_buffers) for p in plans]
+        self.remaining = [0] * len(plans)
+        self.expected_bytes = {k: 0 for k in KINDS}
+        self.state_rows: list[tuple[int, int, str, int]] = []  # rank, buffer, component, row bytes
+        for p in plans:
+            self.remaining[p.rank] += len(p.kv_buffers) * p.kv_positions
+            self.expected_bytes["kv"] += p.kv_positions * sum(layout.buffers[b].row_bytes for b in p.kv_buffers)
+            self.state_rows += [(p.rank, b, layout.buffers[b].component, layout.buffers[b].row_bytes)
+                                for b in p.state_buffers]
+            if p.aux:
+                self.remaining[p.rank] += 1
+                self.expected_bytes["aux"] += layout.aux_row_bytes
+        empty = np.empty(0, dtype=np.int64)
+        empty.flags.writeable = False
+        self.no_state = {c: empty for c in layout.state_components}
+
+
 class CoverageTracker:
     """What the receiver must see for one room, exactly once, and what it has seen.
 
@@ -141,36 +169,34 @@ class CoverageTracker:
     """
 
     def __init__(self, layout: PoolLayout, cp_size: int, split: SplitMode, req: RoomRequest,
-                 plans: list[RankPlan] | None = None) -> None:
+                 plans: list[RankPlan] | None = None, shape: TrackerShape | None = None) -> None:
         self.layout = layout
         self.req = req
         n = len(req.dst_pages)
-        self.plans: list[RankPlan] = plans if plans is not None else group_plans(layout, cp_size, split, n, req.prefix)
+        if shape is None:
+            shape = TrackerShape(layout, plans if plans is not None else group_plans(layout, cp_size, split, n, req.prefix))
+        self.plans: list[RankPlan] = shape.plans
         self.dst = np.asarray(req.dst_pages, dtype=np.int64)
         self.dst_list = [int(p) for p in req.dst_pages]
         self.dst_run_end = run_ends(req.dst_pages)
-        self.state_dst = {c: np.asarray(req.state.get(c, ()), dtype=np.int64) for c in layout.state_components}
-        self.state_run_end = {c: run_ends(tuple(v.tolist())) for c, v in self.state_dst.items()}
-        self._kv_local = {b: i for i, b in enumerate(layout.indices("kv"))}
-        self.kv_got = np.zeros((len(self._kv_local), n), dtype=bool)
+        if req.state:
+            self.state_dst = {c: np.asarray(req.state.get(c, ()), dtype=np.int64) for c in layout.state_components}
+            self.state_run_end = {c: run_ends(tuple(v.tolist())) for c, v in self.state_dst.items()}
+        else:  # most rooms: no state rows, nothing to index (read-only, shared)
+            self.state_dst = self.state_run_end = shape.no_state
+        self._kv_local = shape.kv_local
+        self.kv_got = np.zeros((len(shape.kv_local), n), dtype=bool)
         # (rank, buffer) -> slots seen: one sending rank per buffer with the de-dup, every rank without it
         self.state_got: dict[tuple[int, int], np.ndarray] = {}
         self.aux_got = False
-        self.remaining = [0] * cp_size
-        self.expected_bytes = {k: 0 for k in KINDS}
-        self._kv_bufs = [frozenset(p.kv_buffers) for p in self.plans]
-        for p in self.plans:
-            kv_rows = len(p.kv_buffers) * p.kv_positions
-            self.remaining[p.rank] += kv_rows
-            self.expected_bytes["kv"] += p.kv_positions * sum(layout.buffers[b].row_bytes for b in p.kv_buffers)
-            for b in p.state_buffers:
-                rows = len(req.state.get(layout.buffers[b].component, ()))
-                self.state_got[(p.rank, b)] = np.zeros(rows, dtype=bool)
-                self.remaining[p.rank] += rows
-                self.expected_bytes["state"] += rows * layout.buffers[b].row_bytes
-            if p.aux:
-                self.remaining[p.rank] += 1
-                self.expected_bytes["aux"] += layout.aux_row_bytes
+        self.remaining = shape.remaining[:]
+        self.expected_bytes = dict(shape.expected_bytes)
+        self._kv_bufs = shape.kv_bufs
+        for rank, b, comp, row_bytes in shape.state_rows:
+            rows = len(req.state.get(comp, ()))
+            self.state_got[(rank, b)] = np.zeros(rows, dtype=bool)
+            self.remaining[rank] += rows
+            self.expected_bytes["state"] += rows * row_bytes
         self.done: set[int] = set()
 
     @property
