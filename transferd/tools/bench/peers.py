@@ -138,11 +138,15 @@ class Limits:
     def _pair_ready(self, check: Callable[[], None]) -> None:
         """The pair's receiver says its port; its sender is started and connects to it."""
         assert self.pool is not None and self.pair_listen is not None and self.procs is not None
+        check()
         ctrl, _ = self.pair_listen.accept()
         ctrl.settimeout(60)
         ctrl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.pair_ctrl = ctrl
-        port = PORT.unpack(recv_exact(ctrl, PORT.size))[0]
+        said = recv_exact(ctrl, PORT.size)
+        if len(said) != PORT.size:
+            raise TransferdError("bench: the raw tcp pair's receiver closed before it named its port")
+        port = PORT.unpack(said)[0]
         src = self.pool.rows[0]
         argv = [sys.executable, str(Path(__file__).with_name("raw_tcp.py")), "send", f"127.0.0.1:{port}",
                 str(pool_path(self.pool.name)), str(self.pool.offsets[0]), str(src.nbytes)]
