@@ -197,7 +197,7 @@ class ReceiverCore:
         self._next_tok = first_token
         self._nudged: dict[bytes, float] = {}
         self._answered: dict[bytes, float] = {}  # identities whose registration was refused: when last told
-        self._plans: dict[tuple[int, SplitMode, int, int, bool], TrackerShape] = {}
+        self._shapes: dict[tuple[int, SplitMode, int, int, bool], TrackerShape] = {}
         self._row_bytes = [b.row_bytes for b in layout.buffers]
         self._kind_of = [b.kind for b in layout.buffers]
         self._max_row_bytes = max(self._row_bytes)
@@ -451,11 +451,11 @@ class ReceiverCore:
                                                req.state, req.aux_slot)))
         if room.tracker is None:
             key = (group.cp_size, group.split, len(req.dst_pages), req.prefix, group.dedup)
-            shape = self._plans.get(key)
-            if shape is None:  # plans depend only on these five values: most rooms reuse one
-                if len(self._plans) > 4096:
-                    self._plans.clear()
-                shape = self._plans[key] = TrackerShape(self.layout, group_plans(self.layout, *key))
+            shape = self._shapes.get(key)
+            if shape is None:  # plans depend only on these five values: most rooms reuse them
+                if len(self._shapes) > 4096:
+                    self._shapes.clear()
+                shape = self._shapes[key] = TrackerShape(self.layout, group_plans(self.layout, *key))
             room.tracker = CoverageTracker(self.layout, group.cp_size, group.split, req, shape=shape)
         if len(room.assigned) == group.cp_size:
             room.status = advance(room.status, RoomStatus(RoomState.WAITING))
