@@ -34,8 +34,19 @@ from ...pool.shm import Pool, pool_path
 from ...transport.data_stream import MULTI_RECV_CHUNK, RECV_CHUNK
 from ...transport.planes.same_host import PoolFile, SameHostEngine, SameHostReceiver, cut, map_read_only, unmap
 from ..procs import ProcessGroup, popen
-from .plan import CP8, POISON, SIZES, Filler, MiB, Plan, cpu_seconds, repo_root
+from .plan import CP8, POISON, SIZES, Filler, MiB, Plan, cpu_seconds, cpu_since, repo_root
 from .raw_tcp import CMD, PORT, recv_exact
+
+RAW_TCP = str(Path(__file__).with_name("raw_tcp.py"))  # run as a script (standard library only)
+
+
+def _cpu_per_gb(used: list[float] | None, nbytes: int) -> dict[str, float]:
+    """A limit's CPU per GB of ``nbytes``: its receiver's (``used[0]``) and its senders' summed
+    (the rest), from :func:`.plan.cpu_since`; nothing when a process could not be measured."""
+    if used is None:
+        return {}
+    gb = nbytes / 1e9
+    return {"receiver_cpu_s_per_gb": used[0] / gb, "sender_cpu_s_per_gb": sum(used[1:]) / gb}
 
 
 class Limits:
@@ -116,10 +127,9 @@ class Limits:
         assert self.pool is not None
         self.x8_listen = socket.create_server(("127.0.0.1", 0), backlog=CP8)
         self.x8_listen.settimeout(60)
-        script = str(Path(__file__).with_name("raw_tcp.py"))
         src = self.pool.rows[0]
         for k in range(CP8):
-            argv = [sys.executable, script, "send", f"127.0.0.1:{self.x8_listen.getsockname()[1]}",
+            argv = [sys.executable, RAW_TCP, "send", f"127.0.0.1:{self.x8_listen.getsockname()[1]}",
                     str(pool_path(self.pool.name)), str(self.pool.offsets[0]), str(src.nbytes)]
             self.x8.append(procs.spawn(f"raw-tcp-sender-{k}", argv, {}).proc)
 
@@ -130,7 +140,7 @@ class Limits:
         self.pair_listen = socket.create_server(("127.0.0.1", 0))
         self.pair_listen.settimeout(60)
         dst = self.pool.rows[1]
-        argv = [sys.executable, str(Path(__file__).with_name("raw_tcp.py")), "receive",
+        argv = [sys.executable, RAW_TCP, "receive",
                 str(self.pair_listen.getsockname()[1]), str(pool_path(self.pool.name)), str(self.pool.offsets[1]),
                 str(dst.nbytes), str(RECV_CHUNK)]
         self.pair.append(procs.spawn("raw-tcp-pair-receiver", argv, {}).proc)
@@ -148,7 +158,7 @@ class Limits:
             raise TransferdError("bench: the raw tcp pair's receiver closed before it named its port")
         port = PORT.unpack(said)[0]
         src = self.pool.rows[0]
-        argv = [sys.executable, str(Path(__file__).with_name("raw_tcp.py")), "send", f"127.0.0.1:{port}",
+        argv = [sys.executable, RAW_TCP, "send", f"127.0.0.1:{port}",
                 str(pool_path(self.pool.name)), str(self.pool.offsets[0]), str(src.nbytes)]
         self.pair.append(self.procs.spawn("raw-tcp-pair-sender", argv, {}).proc)
         check()
@@ -252,20 +262,15 @@ class Limits:
         size = SIZES[key]
         dst = self.pool.rows[1].reshape(-1)
         n = self.total // size
-        cpu0 = [cpu_seconds(os.getpid()), cpu_seconds(self.raw.pid)]
+        pids = [os.getpid(), self.raw.pid]  # this process is the receiver (the bench is idle meanwhile)
+        cpu0 = [cpu_seconds(pid) for pid in pids]
         t0 = time.perf_counter()
         self.ctrl.send(msgpack.packb([size, n, how]))
         receive(dst, size, n)
         dt = time.perf_counter() - t0
         if not self.ctrl.poll(30_000) or self.ctrl.recv() != b"sent":
             raise TransferdError(f"bench: the raw {how} sender did not confirm")
-        cpu1 = [cpu_seconds(os.getpid()), cpu_seconds(self.raw.pid)]
-        out: dict[str, Any] = {"gbps": n * size / dt / 1e9}
-        if None not in cpu0 and None not in cpu1:  # this process is the receiver (the bench is idle meanwhile)
-            gb = n * size / 1e9
-            out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
-            out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
-        return out
+        return {"gbps": n * size / dt / 1e9, **_cpu_per_gb(cpu_since(pids, cpu0), n * size)}
 
     def raw_zmq(self, key: str) -> dict[str, Any]:
         """Raw pyzmq: PUSH/PULL, zero-copy sends, every frame copied into the ring."""
@@ -316,13 +321,7 @@ class Limits:
         if recv_exact(self.pair_ctrl, 1) != b"d":
             raise TransferdError("bench: the raw tcp pair did not finish (see raw-tcp-pair-*.log)")
         dt = time.perf_counter() - t0
-        cpu1 = [cpu_seconds(pid) for pid in pids]
-        out: dict[str, Any] = {"gbps": n * size / dt / 1e9}
-        if None not in cpu0 and None not in cpu1:
-            gb = n * size / 1e9
-            out["receiver_cpu_s_per_gb"] = (cpu1[0] - cpu0[0]) / gb  # type: ignore[operator]
-            out["sender_cpu_s_per_gb"] = (cpu1[1] - cpu0[1]) / gb  # type: ignore[operator]
-        return out
+        return {"gbps": n * size / dt / 1e9, **_cpu_per_gb(cpu_since(pids, cpu0), n * size)}
 
     def raw_tcp_x8(self, key: str) -> dict[str, Any]:
         """Eight raw TCP connections into this one process, beside the CP8 bulk rooms: each of
@@ -370,15 +369,8 @@ class Limits:
             dt = time.perf_counter() - t0
         finally:
             sel.close()
-        cpu1 = [cpu_seconds(pid) for pid in pids]
-        nbytes = CP8 * share
-        out: dict[str, Any] = {"gbps": nbytes / dt / 1e9, "bytes": nbytes}
-        if None not in cpu0 and None not in cpu1:  # this process is the receiver (the bench is idle meanwhile)
-            gb = nbytes / 1e9
-            d = [b - a for a, b in zip(cpu0, cpu1)]  # type: ignore[operator]
-            out["receiver_cpu_s_per_gb"] = d[0] / gb
-            out["sender_cpu_s_per_gb"] = sum(d[1:]) / gb  # the eight senders summed
-        return out
+        nbytes = CP8 * share  # this process is the receiver (the bench is idle meanwhile); the eight senders summed
+        return {"gbps": nbytes / dt / 1e9, "bytes": nbytes, **_cpu_per_gb(cpu_since(pids, cpu0), nbytes)}
 
     def mooncake_tcp(self, key: str, notes: dict[str, str]) -> dict[str, Any]:
         assert self.mooncake is not None and self.pool is not None

@@ -172,7 +172,6 @@ def cpu_since(pids: list[int], before: list[float | None]) -> list[float] | None
     return [b - a for a, b in zip(before, now)]  # type: ignore[operator]
 
 
-
 class Filler:
     """Distinct pseudo-random bytes per row at memcpy speed: slices of one random block, each row
     starting at a different offset; pools filled with different seeds never share a row."""

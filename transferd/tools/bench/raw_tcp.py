@@ -26,6 +26,7 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Iterator
 
 CMD = struct.Struct("<QQQ")
 PORT = struct.Struct("<H")
@@ -41,27 +42,43 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
+def _map(path: str, offset: int, length: int, writable: bool) -> tuple[mmap.mmap, memoryview]:
+    """The pool file's bytes ``[offset, offset + length)``, shared: the mapping and a view of them."""
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, offset + length, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    finally:
+        os.close(fd)
+    return mm, memoryview(mm)[offset:offset + length]
+
+
+def commands(sock: socket.socket, length: int) -> Iterator[tuple[int, int, int]]:
+    """The commands arriving on ``sock`` (offset, bytes, message size), until the other end closes
+    or sends a zero-byte one; one for bytes outside the ``length`` mapped raises ValueError."""
+    while True:
+        cmd = recv_exact(sock, CMD.size)
+        if not cmd:
+            return
+        off, nbytes, size = CMD.unpack(cmd)
+        if not nbytes:
+            return
+        if off + nbytes > length or not 0 < size <= nbytes:
+            raise ValueError(f"raw_tcp: a command for {nbytes} bytes at {off} in messages of {size} "
+                             f"(the mapping holds {length})")
+        yield off, nbytes, size
+
+
 def send(argv: list[str]) -> int:
     addr, path, offset, length = argv[0], argv[1], int(argv[2]), int(argv[3])
     host, _, port = addr.rpartition(":")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        mm = mmap.mmap(fd, offset + length, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    src = memoryview(mm)[offset:offset + length]
+    mm, src = _map(path, offset, length, writable=False)
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        while True:
-            cmd = recv_exact(sock, CMD.size)
-            if not cmd:
-                return 0
-            off, nbytes, size = CMD.unpack(cmd)
-            if not nbytes:
-                return 0
+        for off, nbytes, size in commands(sock, length):
             for o in range(off, off + nbytes, size):
                 sock.sendall(src[o:o + size])
+        return 0
     finally:
         sock.close()
         src.release()
@@ -70,12 +87,7 @@ def send(argv: list[str]) -> int:
 
 def receive(argv: list[str]) -> int:
     bench_port, path, offset, length, chunk = (int(argv[0]), argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, offset + length)
-    finally:
-        os.close(fd)
-    dst = memoryview(mm)[offset:offset + length]
+    mm, dst = _map(path, offset, length, writable=True)
     listen = socket.create_server(("127.0.0.1", 0))
     listen.settimeout(60)
     bench = socket.create_connection(("127.0.0.1", bench_port))
@@ -88,16 +100,8 @@ def receive(argv: list[str]) -> int:
     recv_into = data.recv_into
     view = dst[:0]
     try:
-        while True:
-            cmd = recv_exact(bench, CMD.size)
-            if not cmd:
-                return 0
-            off, nbytes, size = CMD.unpack(cmd)
-            if not nbytes:
-                return 0
-            if off + nbytes > length or not 0 < size <= nbytes:
-                return 2  # the bench asked for bytes outside the mapping
-            data.sendall(cmd)
+        for off, nbytes, size in commands(bench, length):
+            data.sendall(CMD.pack(off, nbytes, size))
             for o in range(off, off + nbytes, size):
                 view, got = dst[o:min(o + size, off + nbytes)], 0
                 while got < len(view):
@@ -106,6 +110,7 @@ def receive(argv: list[str]) -> int:
                         return 3  # the sender closed its connection
                     got += k
             bench.sendall(b"d")
+        return 0
     finally:
         data.close()
         bench.close()
@@ -115,10 +120,14 @@ def receive(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 5 and argv[0] == "send":
-        return send(argv[1:])
-    if len(argv) == 6 and argv[0] == "receive":
-        return receive(argv[1:])
+    try:
+        if len(argv) == 5 and argv[0] == "send":
+            return send(argv[1:])
+        if len(argv) == 6 and argv[0] == "receive":
+            return receive(argv[1:])
+    except ValueError as exc:  # a command outside the mapping: nothing sent or written for it
+        print(exc, file=sys.stderr)
+        return 2
     print("usage: raw_tcp.py send HOST:PORT POOL_FILE OFFSET LENGTH | "
           "receive BENCH_PORT POOL_FILE OFFSET LENGTH CHUNK", file=sys.stderr)
     return 2
