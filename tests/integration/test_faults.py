@@ -98,6 +98,10 @@ def test_dead_receiver_fails_its_rooms_and_the_group_keeps_serving_the_other(clu
     expect(dc1, r1)
     for rank, pc in enumerate(pcs):
         pc.submit(r1.room, 0, r1.src[rank][:4])
+    # a rank learns the room is decode1's from its assign: killed before that reaches a rank, the
+    # room is nobody's there and rightly waits (a rank that registered a moment before the kill)
+    cluster.until(lambda: all(pc.poll(r1.room).state is not RoomState.BOOTSTRAPPING for pc in pcs),
+                  "both ranks to have room 21's assign")
     cluster.kill("receiver-decode1")
     for pc in pcs:
         st = pc.wait(r1.room, 15)  # the sender's heartbeat deadline itself: tests/unit/test_sender_core.py
