@@ -115,13 +115,19 @@ def test_cp8_bulk_beside_eight_raw_tcp_connections(run: tuple[dict[str, Any], st
     assert c8["verified_rooms"] == len(c8["rounds"]) + 1 and c8["mismatched_bytes"] == 0  # + the warm-up
     assert len(c8["rounds"]) == len(c8["raw_tcp_x8_rounds"]) == len(x8["rounds"]) == out["repeats"]
     for k in ("gbps", "raw_tcp_x8_gbps", "vs_raw_tcp_x8", "receiver_cpu_s_per_gb", "sender_cpu_s_per_gb",
-              "raw_tcp_x8_receiver_cpu_s_per_gb", "raw_tcp_x8_sender_cpu_s_per_gb", "sender_cpu_vs_cp1"):
+              "raw_tcp_x8_receiver_cpu_s_per_gb", "raw_tcp_x8_sender_cpu_s_per_gb", "sender_cpu_vs_cp1",
+              "raw_tcp_sender_cpu_s_per_gb", "raw_tcp_x8_sender_cpu_vs_raw_tcp"):
         assert _pos(c8[k]), (k, c8)
+    # the raw senders' own eight-to-one ratio, beside transferd's: one raw sender is the 1 MiB block's limit
+    assert c8["raw_tcp_sender_cpu_s_per_gb"] == out["limits"]["raw_tcp"]["1MiB"]["sender_cpu_s_per_gb"]
+    assert abs(c8["raw_tcp_x8_sender_cpu_vs_raw_tcp"] - c8["raw_tcp_x8_sender_cpu_s_per_gb"]
+               / c8["raw_tcp_sender_cpu_s_per_gb"]) < 0.01
     assert x8["connections"] == 8 and x8["gbps"] == c8["raw_tcp_x8_gbps"]
     r = out["ratios"]
     assert r["cp8_tcp_vs_raw_tcp"] == c8["vs_raw_tcp_x8"] and r["cp8_sender_cpu_vs_cp1"] == c8["sender_cpu_vs_cp1"]
     assert r["tcp_vs_raw_tcp"] == out["bulk"]["1MiB"]["vs_raw_tcp"]
     assert "CP8 bulk over TCP" in table and "eight raw tcp connections" in table
+    assert f"the eight raw senders {c8['raw_tcp_x8_sender_cpu_vs_raw_tcp']:.2f} × one raw sender's" in table
 
 
 def test_targets_are_issue_14s_each_with_value_and_met(run: tuple[dict[str, Any], str]) -> None:
