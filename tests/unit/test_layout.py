@@ -49,6 +49,7 @@ def test_mha_layout_buffers() -> None:
     assert lay.rows_of("state", "ssm") == 7
     assert lay.rows_of("state", "nope") == 0
     assert lay.state_components == ("ssm",)
+    assert lay.buffer_row_bytes == tuple(b.row_bytes for b in lay.buffers)  # worked out once, the same
     assert lay.aux_row_bytes == 64
     assert lay.kv_page_bytes() == 6 * 16 * 128 * 2
     assert lay.page_size == 16 and lay.model == "m"

@@ -381,7 +381,7 @@ class SenderCore:
             self._check_rows(self._kv0, src, f"room {room_id} source page")
         elif len(src):
             raise IndexOutOfRange(f"room {room_id}: pool has no KV buffers but {len(src)} source pages were given")
-        if len(np.unique(src)) != len(src):
+        if len(src) > 1 and len(np.unique(src)) != len(src):
             raise BadRequest(f"room {room_id}: a source page is listed twice in the chunk")
         st: dict[str, np.ndarray] = {}
         for comp, slots in (state or {}).items():
@@ -473,10 +473,10 @@ class SenderCore:
             plan = self._plans[(msg.n_pages, msg.prefix)] = rank_plan(
                 self.layout, self.cp_size, self.rank, self.split, msg.n_pages, msg.prefix, self.dedup)
         room.plan = plan
-        rows = self.layout.buffers
-        room.planned = (plan.kv_positions * sum(rows[b].row_bytes for b in plan.kv_buffers),
-                        sum(len(msg.state.get(rows[b].component, ())) * rows[b].row_bytes for b in plan.state_buffers),
-                        self.layout.aux_row_bytes if plan.aux else 0)
+        rows, row_bytes = self.layout.buffers, self.layout.buffer_row_bytes
+        room.planned = (plan.kv_positions * sum(row_bytes[b] for b in plan.kv_buffers),
+                        sum(len(msg.state.get(rows[b].component, ())) * row_bytes[b] for b in plan.state_buffers),
+                        row_bytes[self.layout.aux_index] if plan.aux else 0)
         room.dst = np.asarray(msg.dst_pages, dtype=np.int64)
         room.status = advance(room.status, RoomStatus(RoomState.WAITING))
         if room.last_submitted and room.next_start != msg.n_pages:

@@ -38,6 +38,7 @@ class RoomSender:
         self.spawn = spawn
         self.act = act
         self._comp_of = tuple(b.component for b in layout.buffers)
+        self._row_bytes = layout.buffer_row_bytes
 
     def pump(self, room_id: int) -> None:
         """Start the room's send loop (the core said ``Pump``: it is assigned and has chunks)."""
@@ -87,8 +88,10 @@ class RoomSender:
             if bufs:
                 dst = np.asarray(a.state.get(comp, ()), dtype=np.int64)
                 await plane.send_rows(tx, Kind.STATE, bufs, chunk.state.get(comp, _NO_ROWS), dst, 0)
-        for b in plan.state_skipped:
-            self.acct.state_bytes_skipped += len(a.state.get(comp_of[b], ())) * layout.buffers[b].row_bytes
+        if plan.state_skipped and a.state:
+            row_bytes = self._row_bytes
+            self.acct.state_bytes_skipped += sum(len(a.state.get(comp_of[b], ())) * row_bytes[b]
+                                                 for b in plan.state_skipped)
         if plan.aux and not room.stopped:
             assert chunk.aux is not None
             await plane.send_rows(tx, Kind.AUX, (layout.aux_index,), chunk.aux, chunk.aux, 0)
