@@ -203,7 +203,7 @@ class PoolLayout:
 
     @property
     def aux_row_bytes(self) -> int:
-        return self.buffers[self.aux_index].row_bytes
+        return self.buffer_row_bytes[self.aux_index]
 
     def kv_page_bytes(self) -> int:
         """Bytes of one page position across every KV buffer."""

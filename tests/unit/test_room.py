@@ -415,7 +415,7 @@ def test_tracker_with_dedup_off_takes_the_state_once_from_every_rank() -> None:
     req = RoomRequest(room=7, group="g", dst_pages=tuple(range(6)), prefix=0,
                       state={c: (0,) for c in layout.state_components}, aux_slot=0)
     plans = plans_of(layout, 2, SplitMode.PAGES, 6, 0, dedup=False)
-    tr = CoverageTracker(layout, 2, SplitMode.PAGES, req, plans)
+    tr = CoverageTracker(layout, 2, SplitMode.PAGES, req, TrackerShape(layout, plans))
     st = layout.indices("state")
     assert tr.expected_bytes["state"] == 2 * sum(layout.buffers[b].row_bytes for b in st)
     for rank in (0, 1):

@@ -198,7 +198,7 @@ class ReceiverCore:
         self._nudged: dict[bytes, float] = {}
         self._answered: dict[bytes, float] = {}  # identities whose registration was refused: when last told
         self._shapes: dict[tuple[int, SplitMode, int, int, bool], TrackerShape] = {}
-        self._row_bytes = [b.row_bytes for b in layout.buffers]
+        self._row_bytes = layout.buffer_row_bytes
         self._kind_of = [b.kind for b in layout.buffers]
         self._max_row_bytes = max(self._row_bytes)
         self._seq = 0

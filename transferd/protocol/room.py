@@ -148,11 +148,11 @@ class TrackerShape:
         self.remaining = [0] * len(plans)
         self.expected_bytes = {k: 0 for k in KINDS}
         self.state_rows: list[tuple[int, int, str, int]] = []  # rank, buffer, component, row bytes
+        row_bytes = layout.buffer_row_bytes
         for p in plans:
             self.remaining[p.rank] += len(p.kv_buffers) * p.kv_positions
-            self.expected_bytes["kv"] += p.kv_positions * sum(layout.buffers[b].row_bytes for b in p.kv_buffers)
-            self.state_rows += [(p.rank, b, layout.buffers[b].component, layout.buffers[b].row_bytes)
-                                for b in p.state_buffers]
+            self.expected_bytes["kv"] += p.kv_positions * sum(row_bytes[b] for b in p.kv_buffers)
+            self.state_rows += [(p.rank, b, layout.buffers[b].component, row_bytes[b]) for b in p.state_buffers]
             if p.aux:
                 self.remaining[p.rank] += 1
                 self.expected_bytes["aux"] += layout.aux_row_bytes
@@ -169,12 +169,12 @@ class CoverageTracker:
     """
 
     def __init__(self, layout: PoolLayout, cp_size: int, split: SplitMode, req: RoomRequest,
-                 plans: list[RankPlan] | None = None, shape: TrackerShape | None = None) -> None:
+                 shape: TrackerShape | None = None) -> None:
         self.layout = layout
         self.req = req
         n = len(req.dst_pages)
         if shape is None:
-            shape = TrackerShape(layout, plans if plans is not None else group_plans(layout, cp_size, split, n, req.prefix))
+            shape = TrackerShape(layout, group_plans(layout, cp_size, split, n, req.prefix))
         self.plans: list[RankPlan] = shape.plans
         self.dst = np.asarray(req.dst_pages, dtype=np.int64)
         self.dst_list = [int(p) for p in req.dst_pages]

@@ -476,7 +476,7 @@ class SenderCore:
         rows, row_bytes = self.layout.buffers, self.layout.buffer_row_bytes
         room.planned = (plan.kv_positions * sum(row_bytes[b] for b in plan.kv_buffers),
                         sum(len(msg.state.get(rows[b].component, ())) * row_bytes[b] for b in plan.state_buffers),
-                        row_bytes[self.layout.aux_index] if plan.aux else 0)
+                        self.layout.aux_row_bytes if plan.aux else 0)
         room.dst = np.asarray(msg.dst_pages, dtype=np.int64)
         room.status = advance(room.status, RoomStatus(RoomState.WAITING))
         if room.last_submitted and room.next_start != msg.n_pages:

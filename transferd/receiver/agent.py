@@ -170,7 +170,7 @@ class Receiver(AgentBase):
                                 r.mooncake_device)
         engine.register(self.pool.rows)
         self.reader = Reader(engine, r.mooncake_batch_entries, r.mooncake_reads_in_flight,
-                             self.layout.buffers[self.layout.aux_index].row_bytes)
+                             self.layout.aux_row_bytes)
         log.info("%s: Mooncake TE (%s) at %s reads the rows of senders that offer it", self.name,
                  r.mooncake_protocol, engine.session)
 
@@ -182,7 +182,7 @@ class Receiver(AgentBase):
                             ucx_modules=r.nixl_ucx_modules, read_timeout_s=r.nixl_read_timeout_s)
         engine.register(self.pool.rows)
         self.reader = Reader(engine, r.nixl_batch_entries, r.nixl_reads_in_flight,
-                             self.layout.buffers[self.layout.aux_index].row_bytes)
+                             self.layout.aux_row_bytes)
         log.info("%s: NIXL agent %s (UCX) reads the rows of senders that offer it", self.name, engine.session)
 
     def _setup_curve(self) -> None:

@@ -47,7 +47,7 @@ class DataPath:
         self.rx = rx
         self.core = rx.core
         self.acct = rx.acct
-        row_bytes = [b.row_bytes for b in rx.layout.buffers]
+        row_bytes = rx.layout.buffer_row_bytes
         self.zmq = ZmqReceiver(row_bytes)
         self.stream = StreamReceiver(row_bytes)
         self._kind_of = [b.kind for b in rx.layout.buffers]

@@ -9,6 +9,7 @@ and ``landed``. docs/DATA-PLANES.md says what a new plane implements.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,7 +47,7 @@ class PayloadReceiver:
 
     name = PlaneName.ZMQ
 
-    def __init__(self, row_bytes: list[int]) -> None:
+    def __init__(self, row_bytes: Sequence[int]) -> None:
         self._row_bytes = row_bytes
 
     def source(self, core: ReceiverCore, room: DecodeRoom, peer: Peer, msg: Data, payload: Any,

@@ -307,7 +307,7 @@ class SameHostReceiver:
         self.ino = (st.st_dev, st.st_ino)
         sealed = is_sealed(fd)
         self.offsets = list(pool.offsets)
-        self.row_bytes = [b.row_bytes for b in pool.layout.buffers]
+        self.row_bytes = pool.layout.buffer_row_bytes
         self.rows = [b.rows for b in pool.layout.buffers]
         end = max((o + b.nbytes for o, b in zip(pool.offsets, pool.layout.buffers)), default=0)
         # the descriptor, the mapping, the layout's end; a sealed file mapped that far is copied in user space
