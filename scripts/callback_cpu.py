@@ -1,0 +1,142 @@
+"""Where a sender daemon's CPU goes, callback by callback, as the event loop runs them.
+
+``python scripts/callback_cpu.py [--out DIR] -- COMMAND...`` runs ``COMMAND`` (``transferd bench
+...``, ``transferd demo``, ``transferd launch ...``) with a ``sitecustomize`` on ``PYTHONPATH`` that
+times, in every ``python -m transferd sender`` process the command starts, the main thread's CPU
+(``time.thread_time``) spent in:
+
+* each call of a ZeroMQ socket's readable callback (``LoopSocket._on_ready``), by the kinds of
+  control message it handled (``ctrl:Assign+Bundle``, ``ctrl:Status``, ``ctrl:Ping``, ...);
+* the data stream's writes (``StreamWriter._flush``: the ``sendmsg`` calls and their bookkeeping)
+  and its writable callbacks (``_on_writable``, which flushes too);
+* everything the thread spent from its first room to its exit (``total``), engine API calls and the
+  clock's ticks included.
+
+Each process writes ``DIR/sender-PID.json`` at exit; then this prints, per process that sent rooms,
+each figure per room (a rank-room at cp > 1) and per call. The times are the callbacks' own, cold
+caches and all: what a wake-up of an idle daemon costs, which ``timeit`` of the same code, warm,
+does not show (docs/PERFORMANCE.md, issue 14's nineteenth round). The instrument costs ~1 µs a
+timed call. Nothing of transferd is changed; nothing is timed when the variable is unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ENV = "TD_CALLBACK_CPU_DIR"  # not TRANSFERD_*: the bench passes those on as settings only
+
+SITECUSTOMIZE = r'''
+import os, sys
+_out = os.environ.get("TD_CALLBACK_CPU_DIR")
+if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or the transferd script)
+    import atexit, json, time
+    from collections import defaultdict
+    _tt = time.thread_time
+    _acc, _cnt, _t0, _kinds, _rooms = defaultdict(float), defaultdict(int), [None], [], set()
+
+    def _timed(cls, name, key):
+        f = getattr(cls, name)
+        def w(*a, **k):
+            t = _tt()
+            try:
+                return f(*a, **k)
+            finally:
+                _acc[key] += _tt() - t
+                _cnt[key] += 1
+        setattr(cls, name, w)
+
+    from transferd.protocol.sender_core import SenderCore
+    from transferd.sender.send import RoomSender
+    from transferd.transport.data_stream import StreamWriter
+    from transferd.transport.loop_socket import LoopSocket
+
+    _received = SenderCore.received
+    def received(self, cid, msg, now):
+        _kinds.append(type(msg).__name__)
+        return _received(self, cid, msg, now)
+    SenderCore.received = received
+
+    _on_ready = LoopSocket._on_ready
+    def on_ready(self):
+        del _kinds[:]
+        t = _tt()
+        try:
+            return _on_ready(self)
+        finally:
+            key = "ctrl:" + ("+".join(sorted(set(_kinds))) or "none")
+            _acc[key] += _tt() - t
+            _cnt[key] += 1
+    LoopSocket._on_ready = on_ready
+    _timed(StreamWriter, "_flush", "flush")
+    _timed(StreamWriter, "_on_writable", "on_writable")
+
+    _pump = RoomSender.pump
+    def pump(self, room_id):
+        if _t0[0] is None:
+            _t0[0] = _tt()
+        _rooms.add(room_id)  # a room's send loop may start again (a chunk after the loop ended)
+        return _pump(self, room_id)
+    RoomSender.pump = pump
+
+    def _dump():
+        _acc["total"] = _tt() - _t0[0] if _t0[0] is not None else 0.0
+        _cnt["rooms"] = len(_rooms)
+        with open(os.path.join(_out, f"sender-{os.getpid()}.json"), "w") as fh:
+            json.dump({"argv": sys.argv, "seconds": _acc, "calls": _cnt}, fh)
+    atexit.register(_dump)
+'''
+assert ENV in SITECUSTOMIZE
+
+
+def summary(out: Path) -> list[str]:
+    """One block of lines per sender process that sent rooms."""
+    lines = []
+    for f in sorted(out.glob("sender-*.json")):
+        d = json.loads(f.read_text())
+        secs, calls = d["seconds"], d["calls"]
+        rooms = calls.get("rooms", 0)
+        if not rooms:
+            continue
+        argv = d["argv"]
+        rank = argv[argv.index("--cp-rank") + 1] if "--cp-rank" in argv else "?"
+        lines.append(f"{f.stem} (rank {rank}): {rooms} rooms, main thread {secs['total'] * 1e6 / rooms:.1f} µs a room "
+                     "from its first room to its exit")
+        for key in sorted(k for k in secs if k != "total"):
+            n = calls.get(key, 0)
+            lines.append(f"  {key:<36} {secs[key] * 1e6 / rooms:9.1f} µs/room {n / rooms:7.2f} calls/room "
+                         f"{secs[key] * 1e6 / max(n, 1):8.1f} µs/call")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv:
+        print("usage: callback_cpu.py [--out DIR] -- COMMAND...", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="callback_cpu.py")
+    p.add_argument("--out", type=Path, default=None, help="where the processes' figures go (default: a new temp dir)")
+    args = p.parse_args(argv[:cut])
+    command = argv[cut + 1:]
+    if not command:
+        print("callback_cpu.py: no command after --", file=sys.stderr)
+        return 2
+    out = args.out or Path(tempfile.mkdtemp(prefix="callback-cpu-"))
+    inject = out / "inject"
+    inject.mkdir(parents=True, exist_ok=True)
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = dict(os.environ, **{ENV: str(out.resolve())})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(inject.resolve()), env.get("PYTHONPATH", "")) if p)
+    rc = subprocess.call(command, env=env)
+    lines = summary(out)
+    print("\n".join(lines) if lines else f"callback_cpu.py: no sender process sent a room (figures in {out})")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
