@@ -7,8 +7,11 @@ times, in every ``python -m transferd sender`` process the command starts, the m
 
 * each call of a ZeroMQ socket's readable callback (``LoopSocket._on_ready``), by the kinds of
   control message it handled (``ctrl:Assign+Bundle``, ``ctrl:Status``, ``ctrl:Ping``, ...);
-* the data stream's writes (``StreamWriter._flush``: the ``sendmsg`` calls and their bookkeeping)
-  and its writable callbacks (``_on_writable``, which flushes too);
+* the data stream's writes (``flush``: ``StreamWriter._flush``, the ``sendmsg`` calls and their
+  bookkeeping) and its writable callbacks (``on_writable``, which flushes too; ``on_writable_own``:
+  the same less its flushes);
+* each step of a room's send loop (``room_steps_own``: ``RoomSender._send_room`` from one ``await``
+  to the next, less the flushes it made);
 * everything the thread spent from its first room to its exit (``total``), engine API calls and the
   clock's ticks included.
 
@@ -75,6 +78,38 @@ if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or t
     LoopSocket._on_ready = on_ready
     _timed(StreamWriter, "_flush", "flush")
     _timed(StreamWriter, "_on_writable", "on_writable")
+
+    def on_writable(self):
+        t = _tt()
+        f0 = _acc["flush"]
+        try:
+            return StreamWriter._on_writable_timed(self)
+        finally:
+            _acc["on_writable_own"] += _tt() - t - (_acc["flush"] - f0)
+            _cnt["on_writable_own"] += 1
+    StreamWriter._on_writable_timed, StreamWriter._on_writable = StreamWriter._on_writable, on_writable  # own
+
+    import collections.abc
+    class _TimedSteps(collections.abc.Coroutine):  # a room's send loop, step by step, less its flushes
+        def __init__(self, coro):
+            self._c = coro
+        def send(self, value):
+            t, f0 = _tt(), _acc["flush"]
+            try:
+                return self._c.send(value)
+            finally:
+                _acc["room_steps_own"] += _tt() - t - (_acc["flush"] - f0)
+                _cnt["room_steps_own"] += 1
+        def throw(self, *exc):
+            return self._c.throw(*exc)
+        def close(self):
+            return self._c.close()
+        def __await__(self):
+            return self
+        def __next__(self):
+            return self.send(None)
+    _send_room = RoomSender._send_room
+    RoomSender._send_room = lambda self, room: _TimedSteps(_send_room(self, room))
 
     _pump = RoomSender.pump
     def pump(self, room_id):

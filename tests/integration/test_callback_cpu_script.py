@@ -33,6 +33,7 @@ def test_a_demo_over_data_streams_is_timed_in_each_rank(tmp_path: Path) -> None:
         assert calls["ctrl:Assign"] >= 1 and secs["ctrl:Assign"] > 0  # the assigns came through the ZeroMQ socket
         assert any(k.startswith("ctrl:") and "Status" in k for k in calls)  # every room's status came back
         assert calls["flush"] >= 6 and secs["flush"] > 0  # rows went on the data stream (same-host off)
+        assert calls["room_steps_own"] >= 6 and secs["room_steps_own"] > 0  # each room's send loop, step by step
         assert 0 < sum(v for k, v in secs.items() if k != "total") <= secs["total"]
     lines = r.stdout.splitlines()
     heads = [ln for ln in lines if ln.startswith("sender-")]
