@@ -147,7 +147,8 @@ class PoolLayout:
     buffers: tuple[BufferSpec, ...]
     _by_kind: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
     # what the per-room paths ask for again and again, worked out once (the layout never changes)
-    _derived: dict[str, tuple[Any, ...]] = field(default_factory=dict, compare=False, repr=False)
+    _state_components: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
+    _row_bytes: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         by_kind: dict[str, list[int]] = {k: [] for k in KINDS}
@@ -167,8 +168,9 @@ class PoolLayout:
                 raise LayoutError(f"buffer {b.name!r} has {b.rows} rows, other {key[0]} buffers of "
                                   f"{key[1] or 'the pool'} have {rows[key]}")
         self._by_kind.update({k: tuple(v) for k, v in by_kind.items()})
-        self._derived["state_components"] = tuple(dict.fromkeys(self.buffers[i].component for i in by_kind["state"]))
-        self._derived["row_bytes"] = tuple(b.row_bytes for b in self.buffers)
+        object.__setattr__(self, "_state_components",
+                           tuple(dict.fromkeys(self.buffers[i].component for i in by_kind["state"])))
+        object.__setattr__(self, "_row_bytes", tuple(b.row_bytes for b in self.buffers))
 
     # -- derived views -------------------------------------------------------------------
     def indices(self, kind: str) -> tuple[int, ...]:
@@ -183,12 +185,12 @@ class PoolLayout:
     @property
     def state_components(self) -> tuple[str, ...]:
         """The state components, in layout order."""
-        return self._derived["state_components"]
+        return self._state_components
 
     @property
     def buffer_row_bytes(self) -> tuple[int, ...]:
         """Each buffer's row size in bytes, by global buffer index."""
-        return self._derived["row_bytes"]
+        return self._row_bytes
 
     def rows_of(self, kind: str, component: str | None = None) -> int:
         for i in self.indices(kind):
