@@ -38,20 +38,25 @@ SITECUSTOMIZE = r'''
 import os, sys
 _out = os.environ.get("TD_CALLBACK_CPU_DIR")
 if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or the transferd script)
-    import atexit, json, time
+    import atexit, collections.abc, json, time
     from collections import defaultdict
     _tt = time.thread_time
     _acc, _cnt, _t0, _kinds, _rooms = defaultdict(float), defaultdict(int), [None], [], set()
 
-    def _timed(cls, name, key):
+    def _note(key, t, f0=None):  # the CPU since t, less the flushes since f0 when given
+        _acc[key] += _tt() - t - (0.0 if f0 is None else _acc["flush"] - f0)
+        _cnt[key] += 1
+
+    def _timed(cls, name, key, own=None):  # own: the same less the flushes it made
         f = getattr(cls, name)
         def w(*a, **k):
-            t = _tt()
+            t, f0 = _tt(), _acc["flush"]
             try:
                 return f(*a, **k)
             finally:
-                _acc[key] += _tt() - t
-                _cnt[key] += 1
+                _note(key, t)
+                if own:
+                    _note(own, t, f0)
         setattr(cls, name, w)
 
     from transferd.protocol.sender_core import SenderCore
@@ -72,24 +77,11 @@ if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or t
         try:
             return _on_ready(self)
         finally:
-            key = "ctrl:" + ("+".join(sorted(set(_kinds))) or "none")
-            _acc[key] += _tt() - t
-            _cnt[key] += 1
+            _note("ctrl:" + ("+".join(sorted(set(_kinds))) or "none"), t)
     LoopSocket._on_ready = on_ready
     _timed(StreamWriter, "_flush", "flush")
-    _timed(StreamWriter, "_on_writable", "on_writable")
+    _timed(StreamWriter, "_on_writable", "on_writable", own="on_writable_own")
 
-    def on_writable(self):
-        t = _tt()
-        f0 = _acc["flush"]
-        try:
-            return StreamWriter._on_writable_timed(self)
-        finally:
-            _acc["on_writable_own"] += _tt() - t - (_acc["flush"] - f0)
-            _cnt["on_writable_own"] += 1
-    StreamWriter._on_writable_timed, StreamWriter._on_writable = StreamWriter._on_writable, on_writable  # own
-
-    import collections.abc
     class _TimedSteps(collections.abc.Coroutine):  # a room's send loop, step by step, less its flushes
         def __init__(self, coro):
             self._c = coro
@@ -98,8 +90,7 @@ if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or t
             try:
                 return self._c.send(value)
             finally:
-                _acc["room_steps_own"] += _tt() - t - (_acc["flush"] - f0)
-                _cnt["room_steps_own"] += 1
+                _note("room_steps_own", t, f0)
         def throw(self, *exc):
             return self._c.throw(*exc)
         def close(self):
@@ -144,6 +135,8 @@ def summary(out: Path) -> list[str]:
                      "from its first room to its exit")
         for key in sorted(k for k in secs if k != "total"):
             n = calls.get(key, 0)
+            if not n:
+                continue  # read, never timed (no flush in a process without a stream)
             lines.append(f"  {key:<36} {secs[key] * 1e6 / rooms:9.1f} µs/room {n / rooms:7.2f} calls/room "
                          f"{secs[key] * 1e6 / max(n, 1):8.1f} µs/call")
     return lines
