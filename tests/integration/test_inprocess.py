@@ -4,6 +4,7 @@ and pools as the daemons."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import uuid
 from pathlib import Path
 
@@ -48,16 +49,41 @@ def test_agents_in_process(tmp_path: Path) -> None:
         assert st.state in (RoomState.BOOTSTRAPPING, RoomState.WAITING)
         # ... and the same engine sockets a daemon has
         pcs = [PrefillClient(cfg.sender_engine_socket(r)) for r in range(2)]
-        for r, pc in enumerate(pcs):
-            pc.submit(99, 0, list(range(30, 40)), last=True, state={"conv": [4], "ssm": [4]}, aux_slot=1)
         dc = DecodeClient(cfg.receiver_engine_socket())
+        # waits whose time runs out answer the status as it is then, and leave no waiter behind
+        assert not dc.wait(99, "prefill0", 0.05).state.terminal
+        assert not dc.wait_many([(99, "prefill0"), (99, "prefill0")], 0.05)[1].state.terminal
+        pcs[0].submit(99, 0, list(range(30, 35)))  # the room is known to rank 0, not ended
+        assert not pcs[0].wait(99, 0.05).state.terminal
+        assert rx.agent.call(lambda: dict(rx.agent._waiters)) == {}
+        assert senders[0].agent.call(lambda: dict(senders[0].agent.waiters)) == {}
+        # waits the room's end answers: one alone and two in a batch on the receiver, one on a rank
+        early: list[object] = []
+        w1, w2 = DecodeClient(cfg.receiver_engine_socket()), DecodeClient(cfg.receiver_engine_socket())
+        w3 = PrefillClient(cfg.sender_engine_socket(0))
+        waiting = [threading.Thread(target=lambda: early.append(w1.wait(99, "prefill0", 20))),
+                   threading.Thread(target=lambda: early.extend(w2.wait_many([(99, "prefill0")] * 2, 20))),
+                   threading.Thread(target=lambda: early.append(w3.wait(99, 20)))]
+        for t in waiting:
+            t.start()
+        while (rx.agent.call(lambda: sum(map(len, rx.agent._waiters.values()))) < 3
+               or senders[0].agent.call(lambda: len(senders[0].agent.waiters)) < 1):
+            dc.ping()  # a round trip through the receiver's loop, not a sleep
+        assert not early
+        pcs[0].submit(99, 5, list(range(35, 40)), last=True, state={"conv": [4], "ssm": [4]}, aux_slot=1)
+        pcs[1].submit(99, 0, list(range(30, 40)), last=True, state={"conv": [4], "ssm": [4]}, aux_slot=1)
         assert dc.wait(99, "prefill0", 20).state is RoomState.SUCCESS
+        for t in waiting:
+            t.join(20)
+        assert [getattr(st, "state", st) for st in early] == [RoomState.SUCCESS] * 4
+        assert rx.agent.call(lambda: dict(rx.agent._waiters)) == {}
+        assert senders[0].agent.call(lambda: dict(senders[0].agent.waiters)) == {}
         for b in dpool.layout.indices("kv"):
             assert np.array_equal(dpool.rows[b][10:15], spools[0].rows[b][30:35])
             assert np.array_equal(dpool.rows[b][15:20], spools[1].rows[b][35:40])
         for b in dpool.layout.indices("state"):
             assert np.array_equal(dpool.rows[b][2], spools[0].rows[b][4])
-        for c in [dc, *pcs]:
+        for c in [dc, *pcs, w1, w2, w3]:
             c.close()
     finally:
         for s in senders:

@@ -96,7 +96,7 @@ class FakeReceiver:
     def __init__(self) -> None:
         self.rooms: dict[tuple[str, int], RoomStatus] = {}
         self.calls: list[tuple[Any, ...]] = []
-        self.ended: dict[tuple[str, int], asyncio.Future[None]] = {}
+        self.ended: dict[tuple[str, int], list[asyncio.Future[RoomStatus]]] = {}
 
     def _get(self, group: str, room: int) -> RoomStatus:
         if (group, room) not in self.rooms:
@@ -117,24 +117,27 @@ class FakeReceiver:
     def poll(self, group: str, room: int) -> RoomStatus:
         return self._get(group, room)
 
-    async def wait(self, group: str, room: int, timeout_s: float) -> RoomStatus:
+    def wait(self, group: str, room: int, timeout_s: float) -> asyncio.Future[RoomStatus]:
+        """A future (the fake sender's ``wait`` is a coroutine): both kinds of awaitable a handler
+        may return go through the server, ended with a status or with an error."""
         self.calls.append(("wait", group, room, timeout_s))
         self._get(group, room)
-        fut = self.ended.setdefault((group, room), asyncio.get_running_loop().create_future())
-        await fut
-        return self._get(group, room)
+        fut: asyncio.Future[RoomStatus] = asyncio.get_running_loop().create_future()
+        self.ended.setdefault((group, room), []).append(fut)
+        return fut
 
     def abort(self, group: str, room: int, reason: str) -> RoomStatus:
         self.calls.append(("abort", group, room, reason))
         self.rooms[(group, room)] = RoomStatus(RoomState.FAILED, "aborted", reason)
+        for fut in self.ended.pop((group, room), ()):  # the room ended: its waits hear how
+            fut.set_result(self.rooms[(group, room)])
         return self.rooms[(group, room)]
 
     def release(self, group: str, room: int) -> RoomStatus:
         status = self._get(group, room)
         del self.rooms[(group, room)]
-        fut = self.ended.pop((group, room), None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        for fut in self.ended.pop((group, room), ()):  # the waits' error, as the handler once raised it
+            fut.set_exception(UnknownRoom(f"room {group}/{room} is not held"))
         return status
 
     def stats(self) -> dict[str, Any]:
@@ -417,7 +420,7 @@ def test_a_wait_is_answered_when_it_ends_and_others_are_served_meanwhile(
     # the wait is pending; a poll on the same socket is answered first
     assert raw.ask({"id": "p", "v": V, "op": "poll", "group": "g", "room": 5})["id"] == "p"
     assert raw.ask({"id": "r", "v": V, "op": "release", "group": "g", "room": 5})["id"] == "r"
-    # the release ended the wait, whose handler then found the room gone
+    # the release ended the wait with the error its room now gives
     assert raw.recv() == {"id": "w", "v": V, "ok": False, "code": "unknown_room", "error": "room g/5 is not held"}
     assert ("wait", "g", 5, 30.0) in fake.calls
 
@@ -468,10 +471,13 @@ def test_a_batch_of_waits_answers_when_the_last_one_ends(receiver: tuple[Served,
         assert t.is_alive(), result
         dc.ping()  # a round trip through the server's loop, not a sleep
     assert not result
-    assert dc.release_many([(1, "g"), (2, "g")]) == [WAITING, WAITING]
+    assert dc.abort(1, "g", "stop") == RoomStatus(RoomState.FAILED, "aborted", "stop")  # one ends ...
+    assert dc.ping() and not result  # ... the batch still waits for the other
+    assert dc.release(2, "g") == WAITING
     t.join(20)
     assert not t.is_alive()
-    assert isinstance(result[0], UnknownRoom) and isinstance(result[1], UnknownRoom)  # released meanwhile
+    assert result[0] == RoomStatus(RoomState.FAILED, "aborted", "stop")  # how it ended
+    assert isinstance(result[1], UnknownRoom) and str(result[1]) == "room g/2 is not held"  # released meanwhile
     assert isinstance(result[2], UnknownRoom) and str(result[2]) == "room g/9 is not held"
     dc.close()
     waiter.close()
