@@ -4,6 +4,7 @@ and pools as the daemons."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import uuid
 from pathlib import Path
@@ -40,6 +41,11 @@ def test_agents_in_process(tmp_path: Path) -> None:
         for i, p in enumerate(spools):
             fill_random(p, i)
             write_guard(p, 1, 99)
+        # not run by systemd: no notifier loop waking every 5 s for nothing (test_service has the real one)
+        assert "NOTIFY_SOCKET" not in os.environ
+        for a in (rx, *senders):
+            assert not a.agent.call(lambda a=a: [t for t in a.agent._tasks if t.get_name().endswith(":notify")])
+            assert a.agent.call(lambda a=a: [t for t in a.agent._tasks if t.get_name().endswith(":tick")])
         # direct calls on the agents' loops (no engine socket) ...
         rx.agent.call(lambda: None)
         from transferd.protocol.room import RoomRequest

@@ -95,7 +95,8 @@ class AgentBase:
             await self._start()
             if self.metrics_bind:
                 self.metrics.serve(self.metrics_bind, self.metrics_port_offset)
-            self.spawn(self._notify_loop(), "notify")
+            if os.environ.get("NOTIFY_SOCKET"):  # run by systemd (Type=notify); else the loop would wake for nothing
+                self.spawn(self._notify_loop(), "notify")
             self.started.set()
             await self._stop_event.wait()
         finally:
