@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -72,8 +73,10 @@ def test_agents_in_process(tmp_path: Path) -> None:
                    threading.Thread(target=lambda: early.append(w3.wait(99, 20)))]
         for t in waiting:
             t.start()
+        deadline = time.monotonic() + 20
         while (rx.agent.call(lambda: sum(map(len, rx.agent._waiters.values()))) < 3
                or senders[0].agent.call(lambda: len(senders[0].agent.waiters)) < 1):
+            assert time.monotonic() < deadline and all(t.is_alive() for t in waiting), early
             dc.ping()  # a round trip through the receiver's loop, not a sleep
         assert not early
         pcs[0].submit(99, 5, list(range(35, 40)), last=True, state={"conv": [4], "ssm": [4]}, aux_slot=1)
