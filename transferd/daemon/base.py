@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from ..errors import DaemonError, Draining
 from .metrics import AgentMetrics
-from .notify import sd_notify, watchdog_interval_s
+from .notify import notify_socket, sd_notify, watchdog_interval_s
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,7 +95,7 @@ class AgentBase:
             await self._start()
             if self.metrics_bind:
                 self.metrics.serve(self.metrics_bind, self.metrics_port_offset)
-            if os.environ.get("NOTIFY_SOCKET"):  # run by systemd (Type=notify); else the loop would wake for nothing
+            if notify_socket():  # run by systemd (Type=notify); else the loop would wake for nothing
                 self.spawn(self._notify_loop(), "notify")
             self.started.set()
             await self._stop_event.wait()

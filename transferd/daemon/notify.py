@@ -6,9 +6,14 @@ import os
 import socket
 
 
+def notify_socket() -> str:
+    """``$NOTIFY_SOCKET``: where notifications go, or "" when not run by systemd with ``Type=notify``."""
+    return os.environ.get("NOTIFY_SOCKET", "")
+
+
 def sd_notify(message: str) -> bool:
     """Send one notification; a no-op (False) when not run by systemd with ``Type=notify``."""
-    addr = os.environ.get("NOTIFY_SOCKET")
+    addr = notify_socket()
     if not addr:
         return False
     if addr.startswith("@"):
