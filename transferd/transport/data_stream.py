@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from ..errors import StreamError
 from ..protocol.stream import HELLO_BYTES, HELLO_TIMEOUT_S, PREFIX, hello, prefix_problem
 from .accept import Acceptor
+from .turns import wake_first
 
 log = logging.getLogger(__name__)
 
@@ -191,12 +192,7 @@ class StreamWriter:
         self._wake_one()
 
     def _wake_one(self) -> None:
-        waiters = self._waiters
-        while waiters:
-            w = waiters.popleft()
-            if not w.done():
-                w.set_result(None)
-                return
+        wake_first(self._waiters)
 
     def pass_on(self) -> None:
         """A woken waiter that will not write after all (its room stopped; a cancelled one is

@@ -6,12 +6,15 @@ import asyncio
 import logging
 import os
 import stat
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import zmq
 import zmq.asyncio
+
+from .turns import wake_first
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,10 @@ class LoopSocket:
     1 MiB messages. Here the messages that arrived are drained in a loop and handed to
     ``on_message`` (at most ``budget`` per loop iteration, so timers and the engine API keep
     their turn); ``try_send`` sends at once and ``writable`` waits only while the high-water mark
-    holds a message back.
+    holds a message back. When the socket takes messages again, the first waiter alone is woken,
+    and each message the socket takes wakes the next (with a hundred rooms behind a full pipe,
+    waking all of them to find it full again was a hundred wake-ups a message); a woken waiter
+    that will not send calls ``pass_on``.
 
     ZeroMQ's descriptor is edge-triggered and any operation on the socket may consume its signal:
     after every send the socket's events are looked at again on the next loop iteration
@@ -91,7 +97,7 @@ class LoopSocket:
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self._fd = cast(int, sock.getsockopt(zmq.FD))
-        self._writers: list[asyncio.Future[None]] = []
+        self._writers: deque[asyncio.Future[None]] = deque()
         self._scheduled = False
         self._paused: asyncio.TimerHandle | None = None
         self.loop.add_reader(self._fd, self._on_ready)
@@ -111,10 +117,7 @@ class LoopSocket:
         while not self.closed:
             events = cast(int, sock.getsockopt(_EVENTS))
             if events & _POLLOUT and self._writers:
-                writers, self._writers = self._writers, []
-                for w in writers:
-                    if not w.done():
-                        w.set_result(None)
+                self._wake_one()
             if not events & _POLLIN or self._paused is not None:
                 return
             if n >= self.budget:
@@ -129,6 +132,20 @@ class LoopSocket:
                 self.on_message(frames)
             except Exception:  # the handler's bug must not stop the socket for every peer
                 log.exception("%s: error while handling a message", self.name)
+
+    def _wake_one(self) -> None:
+        wake_first(self._writers)
+
+    def took(self) -> None:
+        """The socket took a message (here or through another handle on it): the next waiter
+        tries too, without waiting for the events to be looked at again."""
+        if self._writers:
+            self._wake_one()
+
+    def pass_on(self) -> None:
+        """A woken waiter that will not send after all (its room stopped): the next one gets the
+        turn if the socket still has room, so none is left waiting on a pipe with room in it."""
+        self.kick()
 
     def _recv(self) -> list[Any]:
         """One whole message, as ``recv_multipart(NOBLOCK)`` gives it (a multipart message
@@ -167,6 +184,7 @@ class LoopSocket:
                 sock.send(frames[-1], _NOBLOCK, copy=copy)
             else:  # pyzmq checks every part is a buffer before it sends any
                 sock.send_multipart(frames, _NOBLOCK, copy=copy)
+            self.took()
             return True
         except zmq.Again:
             return False
@@ -180,7 +198,11 @@ class LoopSocket:
         fut: asyncio.Future[None] = self.loop.create_future()
         self._writers.append(fut)
         self.kick()
-        await fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.kick()  # it may have been woken already: the turn must not end with it
+            raise
 
     async def send(self, frames: list[Any], *, copy: bool = True) -> None:
         """Send, waiting while the high-water mark holds the message back (backpressure)."""

@@ -161,12 +161,15 @@ class ZmqSender:
                 assert zc is not None
                 sent = zc.try_send(header, [(r.ctypes.data, r.nbytes) for r in payload])
                 link.kick()
+                if sent:
+                    link.took()
             else:
                 sent = link.try_send([header, *payload], copy=False)
             if sent:
                 break
             await link.writable()
             if room.stopped:
+                link.pass_on()
                 return 0
         await self._turn()
         return SENT_ZMQ
