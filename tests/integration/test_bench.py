@@ -318,6 +318,20 @@ def test_the_stream_fanin_script_lands_every_row_of_both_sides() -> None:
     assert last.endswith("every row intact (12 MiB a round)"), last
 
 
+def test_the_loop_socket_waiters_script_counts_every_message() -> None:
+    """``scripts/loop_socket_waiters.py`` (issue 14's twenty-first round: many rooms' sends behind
+    one ZeroMQ socket's full pipe) on a small shape: the reader counts every message (a missing
+    one ends it with an error), and with 64 waiters the waits resumed stay near one a message
+    (every waiter woken whenever the pipe took messages again made it several)."""
+    proc = subprocess.run([sys.executable, "scripts/loop_socket_waiters.py", "--waiters", "1", "64", "--messages",
+                           "3000"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["waiters     1", "waiters    64"], proc.stdout
+    resumed = float(lines[1].split(",")[1].split()[0])
+    assert 0 < resumed <= 3.0, lines[1]
+
+
 def test_sglang_staging_copies_are_measured_beside_memcpy(run: tuple[dict[str, Any], str]) -> None:
     """The SGLang backend's gather (engine → pool) and scatter (pool → engine), paired with memcpy."""
     out, table = run
