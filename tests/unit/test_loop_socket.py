@@ -18,6 +18,8 @@ from transferd.transport.loop_socket import LoopSocket, configure
 from transferd.transport.planes.sending import SENT_ZMQ, ConnPipes, RoomTx, SendEnv
 from transferd.transport.planes.zmq import ZmqSender
 
+from .turns_helpers import cancel_first_as_woken
+
 _ports = itertools.count()
 
 
@@ -129,7 +131,7 @@ def test_a_woken_room_that_stopped_passes_the_turn_on() -> None:
         filled = pipe.fill()
         rooms, tasks = waiting_rooms(pipe.link, 6)
         await asyncio.sleep(0.01)
-        assert len(pipe.link._writers) == 6
+        assert len(pipe.link._waiters) == 6
         rooms[0].stopped = True
         rooms[3].stopped = True
         reading = asyncio.create_task(pipe.read(filled + 4))
@@ -153,17 +155,8 @@ def test_a_room_cancelled_as_it_is_woken_passes_the_turn_on() -> None:
         link = pipe.link
         _, tasks = waiting_rooms(link, 4)
         await asyncio.sleep(0.01)
-        assert len(link._writers) == 4
-        first, wake = link._writers[0], link._wake_one
-
-        def wake_then_cancel() -> None:  # room 0 cancelled once woken, before its loop runs it
-            woke_first = bool(link._writers) and link._writers[0] is first
-            wake()
-            if woke_first:
-                assert first.done() and not first.cancelled()
-                tasks[0].cancel()
-
-        link._wake_one = wake_then_cancel  # type: ignore[method-assign]
+        assert len(link._waiters) == 4
+        cancel_first_as_woken(link, tasks[0])  # room 0, first in line
         tasks[2].cancel()  # and room 2 while it waits
         reading = asyncio.create_task(pipe.read(filled + 2))
         done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)

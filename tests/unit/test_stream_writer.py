@@ -18,6 +18,8 @@ from transferd.transport.data_stream import SEND_BUFFER, StreamServer, StreamWri
 from transferd.transport.planes.sending import SENT_STREAM, ConnPipes, RoomTx, SendEnv
 from transferd.transport.planes.stream import StreamSender
 
+from .turns_helpers import cancel_first_as_woken
+
 KEY = b"k" * 16
 
 
@@ -292,16 +294,7 @@ def test_a_room_cancelled_as_it_is_woken_passes_the_turn_on() -> None:
         rooms, records, tasks = waiting_rooms(writer, 4)
         await asyncio.sleep(0)
         assert len(writer._waiters) == 3
-        first, wake = writer._waiters[0], writer._wake_one
-
-        def wake_then_cancel() -> None:  # room 1 cancelled once woken, before its loop runs it
-            woke_first = bool(writer._waiters) and writer._waiters[0] is first
-            wake()
-            if woke_first:
-                assert first.done() and not first.cancelled()
-                tasks[1].cancel()
-
-        writer._wake_one = wake_then_cancel  # type: ignore[method-assign]
+        cancel_first_as_woken(writer, tasks[1])  # room 1, first in line (room 0 is writing)
         tasks[2].cancel()  # and room 2 while it waits
         want = b"".join(prefix(len(h), len(p)) + h + p for i, (h, p) in enumerate(records) if i in (0, 3))
         reading = asyncio.create_task(asyncio.to_thread(read_all, conn, len(want) + 1))

@@ -97,15 +97,18 @@ class LoopSocket:
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self._fd = cast(int, sock.getsockopt(zmq.FD))
-        self._writers: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()
         self._scheduled = False
         self._paused: asyncio.TimerHandle | None = None
         self.loop.add_reader(self._fd, self._on_ready)
         self.kick()
 
-    def kick(self) -> None:
+    def kick(self, took: bool = False) -> None:
         """Look at the socket's events again on the next loop iteration: after every operation on
-        the socket (this class's sends, and any made outside it)."""
+        the socket (this class's sends, and any made outside it). ``took``: the operation was a
+        message the socket took, so the next waiter tries too, without waiting for that look."""
+        if took and self._waiters:
+            self._wake_one()
         if not self._scheduled and not self.closed:
             self._scheduled = True
             self.loop.call_soon(self._on_ready)
@@ -116,7 +119,7 @@ class LoopSocket:
         n = 0
         while not self.closed:
             events = cast(int, sock.getsockopt(_EVENTS))
-            if events & _POLLOUT and self._writers:
+            if events & _POLLOUT and self._waiters:
                 self._wake_one()
             if not events & _POLLIN or self._paused is not None:
                 return
@@ -134,13 +137,7 @@ class LoopSocket:
                 log.exception("%s: error while handling a message", self.name)
 
     def _wake_one(self) -> None:
-        wake_first(self._writers)
-
-    def took(self) -> None:
-        """The socket took a message (here or through another handle on it): the next waiter
-        tries too, without waiting for the events to be looked at again."""
-        if self._writers:
-            self._wake_one()
+        wake_first(self._waiters)
 
     def pass_on(self) -> None:
         """A woken waiter that will not send after all (its room stopped): the next one gets the
@@ -177,6 +174,7 @@ class LoopSocket:
         """Send at once; False (nothing sent) when the high-water mark holds the message back.
         Other ZeroMQ errors (an unknown peer on a ROUTER) are raised."""
         sock = self.sock
+        took = False
         try:
             if all(type(f) is bytes for f in frames):  # control messages: nothing to check first
                 for f in frames[:-1]:
@@ -184,19 +182,19 @@ class LoopSocket:
                 sock.send(frames[-1], _NOBLOCK, copy=copy)
             else:  # pyzmq checks every part is a buffer before it sends any
                 sock.send_multipart(frames, _NOBLOCK, copy=copy)
-            self.took()
+            took = True
             return True
         except zmq.Again:
             return False
         finally:
-            self.kick()
+            self.kick(took)
 
     async def writable(self) -> None:
         """Wait until the socket may take a message again (or is closed)."""
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, f"{self.name}: socket closed")
         fut: asyncio.Future[None] = self.loop.create_future()
-        self._writers.append(fut)
+        self._waiters.append(fut)
         self.kick()
         try:
             await fut
@@ -216,8 +214,8 @@ class LoopSocket:
         if self._paused is not None:
             self._paused.cancel()
         self.loop.remove_reader(self._fd)
-        for w in self._writers:
+        for w in self._waiters:
             if not w.done():
                 w.set_exception(zmq.ZMQError(zmq.ENOTSOCK, f"{self.name}: socket closed"))
-        self._writers.clear()
+        self._waiters.clear()
         self.sock.close(linger=linger)

@@ -12,12 +12,10 @@ import asyncio
 from collections import deque
 
 
-def wake_first(waiters: deque[asyncio.Future[None]]) -> bool:
-    """Wake the first waiter still waiting (those cancelled meanwhile are dropped); False when
-    there was none."""
+def wake_first(waiters: deque[asyncio.Future[None]]) -> None:
+    """Wake the first waiter still waiting (those cancelled meanwhile are dropped)."""
     while waiters:
         w = waiters.popleft()
         if not w.done():
             w.set_result(None)
-            return True
-    return False
+            return

@@ -160,9 +160,7 @@ class ZmqSender:
             if rows:
                 assert zc is not None
                 sent = zc.try_send(header, [(r.ctypes.data, r.nbytes) for r in payload])
-                link.kick()
-                if sent:
-                    link.took()
+                link.kick(sent)
             else:
                 sent = link.try_send([header, *payload], copy=False)
             if sent:
