@@ -1,19 +1,24 @@
 """The Prometheus endpoint of a daemon (prometheus_client, one registry per agent).
 
 Counters are read from the agent's :class:`~transferd.accounting.Accounting` at scrape time (a
-custom collector), so the data path never touches prometheus_client; only the room-duration
-histogram is observed directly, once per room.
+custom collector), so the data path never touches prometheus_client. The room-duration histogram
+too: a room's end adds one to a plain list of bucket counts (:class:`RoomDurations`), which the
+scrape turns into the histogram's series (prometheus_client's ``Histogram.labels().observe()``
+took ≈ 36 µs of a sender's CPU a room, cold, where a room ends; docs/PERFORMANCE.md, issue 14's
+twenty-second round).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..config import parse_hostport
 from ..errors import ConfigError, FailureCode
@@ -21,6 +26,9 @@ from ..errors import ConfigError, FailureCode
 log = logging.getLogger(__name__)
 
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# the "le" labels as prometheus_client's Histogram wrote them ("1.0", "+Inf"): the same series as before
+_LE: tuple[str, ...] = (*(str(floatToGoString(b)) for b in DURATION_BUCKETS),  # type: ignore[no-untyped-call]
+                        "+Inf")
 
 
 Snapshot = Callable[[], dict[str, Any]]
@@ -108,20 +116,47 @@ def _by_label(name: str, doc: str, label: str, counts: dict[str, int]) -> Counte
     return family
 
 
+class RoomDurations(Collector):
+    """``transferd_room_duration_seconds`` by outcome. Per outcome one list: the count of each
+    bucket (``DURATION_BUCKETS``, then +Inf), not cumulative, and the sum last. ``observe`` runs on
+    the event loop's thread; a scrape (prometheus_client's server thread) copies each list in one
+    step under the GIL (its sum may lag the buckets by the room ending meanwhile)."""
+
+    def __init__(self) -> None:
+        self.by_outcome: dict[str, list[Any]] = {}
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        c = self.by_outcome.get(outcome)
+        if c is None:
+            c = self.by_outcome[outcome] = [0] * (len(DURATION_BUCKETS) + 1) + [0.0]
+        c[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1  # the first bound >= seconds: "le"
+        c[-1] += seconds
+
+    def collect(self) -> Iterator[Any]:
+        h = HistogramMetricFamily("transferd_room_duration_seconds",
+                                  "Room duration (receiver: expect → end; sender: first chunk → end)",
+                                  labels=["outcome"])
+        for outcome, counts in list(self.by_outcome.items()):
+            c = list(counts)
+            buckets, n = [], 0
+            for bound, k in zip(_LE, c[:-1]):
+                n += k
+                buckets.append((bound, n))
+            h.add_metric([outcome], buckets, c[-1])
+        yield h
+
+
 class AgentMetrics:
     """The registry, the room-duration histogram, and the HTTP endpoint of one agent."""
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.registry = CollectorRegistry(auto_describe=False)  # collect() only at scrape time
         self.registry.register(_AgentCollector(snapshot))
-        self.room_seconds = Histogram("transferd_room_duration_seconds",
-                                      "Room duration (receiver: expect → end; sender: first chunk → end)",
-                                      labelnames=["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
+        self.durations = RoomDurations()
+        self.registry.register(self.durations)
+        self.observe = self.durations.observe  # once a room, where it ends
         self.server: Any = None
         self.port = 0
-
-    def observe(self, outcome: str, seconds: float) -> None:
-        self.room_seconds.labels(outcome).observe(seconds)
 
     def serve(self, bind: str, port_offset: int = 0) -> None:
         host, port = parse_hostport(bind, "metrics_bind")
