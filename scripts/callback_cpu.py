@@ -1,4 +1,4 @@
-"""Where a sender daemon's CPU goes, callback by callback, as the event loop runs them.
+"""Where a daemon's CPU goes, callback by callback, as the event loop runs them.
 
 ``python scripts/callback_cpu.py [--out DIR] -- COMMAND...`` runs ``COMMAND`` (``transferd bench
 ...``, ``transferd demo``, ``transferd launch ...``) with a ``sitecustomize`` on ``PYTHONPATH`` that
@@ -15,8 +15,22 @@ times, in every ``python -m transferd sender`` process the command starts, the m
 * everything the thread spent from its first room to its exit (``total``), engine API calls and the
   clock's ticks included.
 
-Each process writes ``DIR/sender-PID.json`` at exit; then this prints, per process that sent rooms,
-each figure per room (a rank-room at cp > 1) and per call. The times are the callbacks' own, cold
+In every ``python -m transferd receiver`` process, the main thread's CPU spent in:
+
+* the data streams' reads (``reads``: the ``recv_into``/``recvmsg_into`` calls, the kernel's copy
+  into the rows) and their readable callbacks less those reads and less the record steps
+  (``on_readable_own``: the read loop's bookkeeping);
+* each record step (``record_steps``: a prefix, header or payload completed and acted on: the
+  header's checks, decoding and claims, a payload's landing, a ``done``);
+* the ZeroMQ socket's readable callbacks by the kinds of message they handled (``ctrl:Pong``, ...;
+  ``ctrl:none`` when a callback read nothing: the look after a send), and the engine API's
+  requests (``engine_api``);
+* everything from its first data record to its exit (``total``).
+
+Each process writes ``DIR/sender-PID.json`` or ``DIR/receiver-PID.json`` at exit; then this prints,
+per sender that sent rooms, each figure per room (a rank-room at cp > 1) and per call, and per
+receiver that read data records, each figure per data record (a record with a payload; at cp 8
+in the bench, one per rank-room) and per call. The times are the callbacks' own, cold
 caches and all: what a wake-up of an idle daemon costs, which ``timeit`` of the same code, warm,
 does not show (docs/PERFORMANCE.md, issue 14's nineteenth round). The instrument costs ~1 µs a
 timed call. Nothing of transferd is changed; nothing is timed when the variable is unset.
@@ -116,12 +130,133 @@ if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or t
         with open(os.path.join(_out, f"sender-{os.getpid()}.json"), "w") as fh:
             json.dump({"argv": sys.argv, "seconds": _acc, "calls": _cnt}, fh)
     atexit.register(_dump)
+
+if _out and sys.argv[1:2] == ["receiver"]:
+    import atexit, json, time
+    from collections import defaultdict
+    _tt = time.thread_time
+    _acc, _cnt, _t0, _kinds = defaultdict(float), defaultdict(int), [None], []
+
+    def _note(key, t):
+        _acc[key] += _tt() - t
+        _cnt[key] += 1
+
+    import transferd.receiver.data as _data
+    from transferd.receiver.data import DataPath
+    from transferd.transport.data_stream import StreamReader
+    from transferd.transport.local_api import LocalApiServer
+    from transferd.transport.loop_socket import LoopSocket
+
+    class _TimedSock:  # a stream's socket whose reads are timed (the kernel's copy into the rows)
+        def __init__(self, sock):
+            self._s = sock
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+        def recv_into(self, *a):
+            t = _tt()
+            try:
+                return self._s.recv_into(*a)
+            finally:
+                _note("reads", t)
+        def recvmsg_into(self, *a):
+            t = _tt()
+            try:
+                return self._s.recvmsg_into(*a)
+            finally:
+                _note("reads", t)
+
+    _init = StreamReader.__init__
+    def init(self, sock, *a, **k):
+        _init(self, sock, *a, **k)
+        self.sock = _TimedSock(sock)
+    StreamReader.__init__ = init
+
+    _on_readable = StreamReader._on_readable
+    def on_readable(self):
+        t, r0, s0 = _tt(), _acc["reads"], _acc["record_steps"]
+        try:
+            return _on_readable(self)
+        finally:
+            _acc["on_readable_own"] += _tt() - t - (_acc["reads"] - r0) - (_acc["record_steps"] - s0)
+            _cnt["on_readable_own"] += 1
+    StreamReader._on_readable = on_readable
+
+    _step = StreamReader._step
+    def step(self):
+        t = _tt()
+        try:
+            return _step(self)
+        finally:
+            _note("record_steps", t)
+    StreamReader._step = step
+
+    _record = DataPath.stream_record
+    def stream_record(self, reader, header, payload_len):
+        if payload_len and _t0[0] is None:
+            _t0[0] = _tt()
+        _cnt["data_records"] += bool(payload_len)
+        return _record(self, reader, header, payload_len)
+    DataPath.stream_record = stream_record
+
+    _decode = _data.decode_header
+    def decode_header(*a, **k):
+        msg = _decode(*a, **k)
+        _kinds.append(type(msg).__name__)
+        return msg
+    _data.decode_header = decode_header
+
+    _on_ready = LoopSocket._on_ready
+    def on_ready(self):
+        if "engine API" in self.name:
+            return _on_ready(self)  # timed as engine_api, request by request
+        del _kinds[:]
+        t = _tt()
+        try:
+            return _on_ready(self)
+        finally:
+            _note("ctrl:" + ("+".join(sorted(set(_kinds))) or "none"), t)
+    LoopSocket._on_ready = on_ready
+
+    _request = LocalApiServer._on_request
+    def on_request(self, *a):
+        t = _tt()
+        try:
+            return _request(self, *a)
+        finally:
+            _note("engine_api", t)
+    LocalApiServer._on_request = on_request
+
+    def _dump():
+        _acc["total"] = _tt() - _t0[0] if _t0[0] is not None else 0.0
+        with open(os.path.join(_out, f"receiver-{os.getpid()}.json"), "w") as fh:
+            json.dump({"argv": sys.argv, "seconds": _acc, "calls": _cnt}, fh)
+    atexit.register(_dump)
 '''
 assert ENV in SITECUSTOMIZE
 
 
 def summary(out: Path) -> list[str]:
-    """One block of lines per sender process that sent rooms."""
+    """One block of lines per sender process that sent rooms, then per receiver process that read
+    data records."""
+    lines = []
+    for f in sorted(out.glob("receiver-*.json")):
+        d = json.loads(f.read_text())
+        secs, calls = d["seconds"], d["calls"]
+        records = calls.get("data_records", 0)
+        if not records:
+            continue
+        lines.append(f"{f.stem}: {records} data records, main thread {secs['total'] * 1e6 / records:.1f} µs a record "
+                     "from its first data record to its exit")
+        for key in sorted(k for k in secs if k != "total"):
+            n = calls.get(key, 0)
+            if n:
+                lines.append(f"  {key:<36} {secs[key] * 1e6 / records:9.1f} µs/record {n / records:7.2f} calls/record "
+                             f"{secs[key] * 1e6 / n:8.1f} µs/call")
+    lines[:0] = _senders(out)
+    return lines
+
+
+def _senders(out: Path) -> list[str]:
     lines = []
     for f in sorted(out.glob("sender-*.json")):
         d = json.loads(f.read_text())
@@ -162,7 +297,7 @@ def main(argv: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(inject.resolve()), env.get("PYTHONPATH", "")) if p)
     rc = subprocess.call(command, env=env)
     lines = summary(out)
-    print("\n".join(lines) if lines else f"callback_cpu.py: no sender process sent a room (figures in {out})")
+    print("\n".join(lines) if lines else f"callback_cpu.py: no daemon sent a room or read a record (figures in {out})")
     return rc
 
 
