@@ -5,8 +5,10 @@
 times, in every ``python -m transferd sender`` process the command starts, the main thread's CPU
 (``time.thread_time``) spent in:
 
-* each call of a ZeroMQ socket's readable callback (``LoopSocket._on_ready``), by the kinds of
-  control message it handled (``ctrl:Assign+Bundle``, ``ctrl:Status``, ``ctrl:Ping``, ...);
+* each call of the control socket's readable callback (``LoopSocket._on_ready``), by the kinds of
+  control message it handled (``ctrl:Assign+Bundle``, ``ctrl:Status``, ``ctrl:Ping``, ...;
+  ``ctrl:none`` when it read nothing: the look after a send), and each engine API request
+  (``engine_api``; in both daemons);
 * the data stream's writes (``flush``: ``StreamWriter._flush``, the ``sendmsg`` calls and their
   bookkeeping) and its writable callbacks (``on_writable``, which flushes too; ``on_writable_own``:
   the same less its flushes);
@@ -22,9 +24,7 @@ In every ``python -m transferd receiver`` process, the main thread's CPU spent i
   (``on_readable_own``: the read loop's bookkeeping);
 * each record step (``record_steps``: a prefix, header or payload completed and acted on: the
   header's checks, decoding and claims, a payload's landing, a ``done``);
-* the ZeroMQ socket's readable callbacks by the kinds of message they handled (``ctrl:Pong``, ...;
-  ``ctrl:none`` when a callback read nothing: the look after a send), and the engine API's
-  requests (``engine_api``);
+* the control socket's callbacks (``ctrl:Pong``, ...) and the engine API's requests, as in a sender;
 * everything from its first data record to its exit (``total``).
 
 Each process writes ``DIR/sender-PID.json`` or ``DIR/receiver-PID.json`` at exit; then this prints,
@@ -51,7 +51,9 @@ ENV = "TD_CALLBACK_CPU_DIR"  # not TRANSFERD_*: the bench passes those on as set
 SITECUSTOMIZE = r'''
 import os, sys
 _out = os.environ.get("TD_CALLBACK_CPU_DIR")
-if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or the transferd script)
+# python -m transferd sender|receiver ... (or the transferd script)
+_role = sys.argv[1] if _out and sys.argv[1:2] in (["sender"], ["receiver"]) else None
+if _role:
     import atexit, collections.abc, json, time
     from collections import defaultdict
     _tt = time.thread_time
@@ -73,19 +75,13 @@ if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or t
                     _note(own, t, f0)
         setattr(cls, name, w)
 
-    from transferd.protocol.sender_core import SenderCore
-    from transferd.sender.send import RoomSender
-    from transferd.transport.data_stream import StreamWriter
+    from transferd.transport.local_api import LocalApiServer
     from transferd.transport.loop_socket import LoopSocket
 
-    _received = SenderCore.received
-    def received(self, cid, msg, now):
-        _kinds.append(type(msg).__name__)
-        return _received(self, cid, msg, now)
-    SenderCore.received = received
-
     _on_ready = LoopSocket._on_ready
-    def on_ready(self):
+    def on_ready(self):  # the control socket's callbacks, by the kinds of message they handled
+        if "engine API" in self.name:
+            return _on_ready(self)  # timed as engine_api, request by request
         del _kinds[:]
         t = _tt()
         try:
@@ -93,6 +89,26 @@ if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or t
         finally:
             _note("ctrl:" + ("+".join(sorted(set(_kinds))) or "none"), t)
     LoopSocket._on_ready = on_ready
+    _timed(LocalApiServer, "_on_request", "engine_api")
+
+    def _dump():
+        _acc["total"] = _tt() - _t0[0] if _t0[0] is not None else 0.0
+        if _role == "sender":
+            _cnt["rooms"] = len(_rooms)
+        with open(os.path.join(_out, f"{_role}-{os.getpid()}.json"), "w") as fh:
+            json.dump({"argv": sys.argv, "seconds": _acc, "calls": _cnt}, fh)
+    atexit.register(_dump)
+
+if _role == "sender":
+    from transferd.protocol.sender_core import SenderCore
+    from transferd.sender.send import RoomSender
+    from transferd.transport.data_stream import StreamWriter
+
+    _received = SenderCore.received
+    def received(self, cid, msg, now):
+        _kinds.append(type(msg).__name__)
+        return _received(self, cid, msg, now)
+    SenderCore.received = received
     _timed(StreamWriter, "_flush", "flush")
     _timed(StreamWriter, "_on_writable", "on_writable", own="on_writable_own")
 
@@ -124,28 +140,17 @@ if _out and sys.argv[1:2] == ["sender"]:  # python -m transferd sender ... (or t
         return _pump(self, room_id)
     RoomSender.pump = pump
 
-    def _dump():
-        _acc["total"] = _tt() - _t0[0] if _t0[0] is not None else 0.0
-        _cnt["rooms"] = len(_rooms)
-        with open(os.path.join(_out, f"sender-{os.getpid()}.json"), "w") as fh:
-            json.dump({"argv": sys.argv, "seconds": _acc, "calls": _cnt}, fh)
-    atexit.register(_dump)
-
-if _out and sys.argv[1:2] == ["receiver"]:
-    import atexit, json, time
-    from collections import defaultdict
-    _tt = time.thread_time
-    _acc, _cnt, _t0, _kinds = defaultdict(float), defaultdict(int), [None], []
-
-    def _note(key, t):
-        _acc[key] += _tt() - t
-        _cnt[key] += 1
-
+if _role == "receiver":
     import transferd.receiver.data as _data
     from transferd.receiver.data import DataPath
     from transferd.transport.data_stream import StreamReader
-    from transferd.transport.local_api import LocalApiServer
-    from transferd.transport.loop_socket import LoopSocket
+
+    _decode = _data.decode_header
+    def decode_header(*a, **k):
+        msg = _decode(*a, **k)
+        _kinds.append(type(msg).__name__)
+        return msg
+    _data.decode_header = decode_header
 
     class _TimedSock:  # a stream's socket whose reads are timed (the kernel's copy into the rows)
         def __init__(self, sock):
@@ -180,15 +185,7 @@ if _out and sys.argv[1:2] == ["receiver"]:
             _acc["on_readable_own"] += _tt() - t - (_acc["reads"] - r0) - (_acc["record_steps"] - s0)
             _cnt["on_readable_own"] += 1
     StreamReader._on_readable = on_readable
-
-    _step = StreamReader._step
-    def step(self):
-        t = _tt()
-        try:
-            return _step(self)
-        finally:
-            _note("record_steps", t)
-    StreamReader._step = step
+    _timed(StreamReader, "_step", "record_steps")
 
     _record = DataPath.stream_record
     def stream_record(self, reader, header, payload_len):
@@ -197,40 +194,6 @@ if _out and sys.argv[1:2] == ["receiver"]:
         _cnt["data_records"] += bool(payload_len)
         return _record(self, reader, header, payload_len)
     DataPath.stream_record = stream_record
-
-    _decode = _data.decode_header
-    def decode_header(*a, **k):
-        msg = _decode(*a, **k)
-        _kinds.append(type(msg).__name__)
-        return msg
-    _data.decode_header = decode_header
-
-    _on_ready = LoopSocket._on_ready
-    def on_ready(self):
-        if "engine API" in self.name:
-            return _on_ready(self)  # timed as engine_api, request by request
-        del _kinds[:]
-        t = _tt()
-        try:
-            return _on_ready(self)
-        finally:
-            _note("ctrl:" + ("+".join(sorted(set(_kinds))) or "none"), t)
-    LoopSocket._on_ready = on_ready
-
-    _request = LocalApiServer._on_request
-    def on_request(self, *a):
-        t = _tt()
-        try:
-            return _request(self, *a)
-        finally:
-            _note("engine_api", t)
-    LocalApiServer._on_request = on_request
-
-    def _dump():
-        _acc["total"] = _tt() - _t0[0] if _t0[0] is not None else 0.0
-        with open(os.path.join(_out, f"receiver-{os.getpid()}.json"), "w") as fh:
-            json.dump({"argv": sys.argv, "seconds": _acc, "calls": _cnt}, fh)
-    atexit.register(_dump)
 '''
 assert ENV in SITECUSTOMIZE
 

@@ -34,6 +34,7 @@ def test_a_demo_over_data_streams_is_timed_in_each_rank(tmp_path: Path) -> None:
         assert any(k.startswith("ctrl:") and "Status" in k for k in calls)  # every room's status came back
         assert calls["flush"] >= 6 and secs["flush"] > 0  # rows went on the data stream (same-host off)
         assert calls["room_steps_own"] >= 6 and secs["room_steps_own"] > 0  # each room's send loop, step by step
+        assert calls["engine_api"] >= 6  # the demo's submits (never counted as control messages)
         # disjoint parts, all after the first room: the flushes, and the writable callbacks and send
         # loop steps less their flushes (the ctrl:* callbacks are left out: the first assign's starts
         # before the first room, and a ping or registered may come before it; on_writable holds flushes)
