@@ -198,45 +198,33 @@ if _role == "receiver":
 assert ENV in SITECUSTOMIZE
 
 
+# per role: the count each figure is divided by, and its words (a rank-room is a room at cp > 1)
+UNITS = {"sender": ("rooms", "rooms", "room", "room"),
+         "receiver": ("data_records", "data records", "record", "data record")}
+
+
 def summary(out: Path) -> list[str]:
-    """One block of lines per sender process that sent rooms, then per receiver process that read
-    data records."""
+    """One block of lines per sender process that sent rooms (each figure per room), then per
+    receiver process that read data records (per data record)."""
     lines = []
-    for f in sorted(out.glob("receiver-*.json")):
-        d = json.loads(f.read_text())
-        secs, calls = d["seconds"], d["calls"]
-        records = calls.get("data_records", 0)
-        if not records:
-            continue
-        lines.append(f"{f.stem}: {records} data records, main thread {secs['total'] * 1e6 / records:.1f} µs a record "
-                     "from its first data record to its exit")
-        for key in sorted(k for k in secs if k != "total"):
-            n = calls.get(key, 0)
-            if n:
-                lines.append(f"  {key:<36} {secs[key] * 1e6 / records:9.1f} µs/record {n / records:7.2f} calls/record "
+    for role, (count_key, plural, unit, first) in UNITS.items():
+        for f in sorted(out.glob(f"{role}-*.json")):
+            d = json.loads(f.read_text())
+            secs, calls = d["seconds"], d["calls"]
+            units = calls.get(count_key, 0)
+            if not units:
+                continue
+            argv = d["argv"]
+            who = f.stem if role != "sender" else \
+                f"{f.stem} (rank {argv[argv.index('--cp-rank') + 1] if '--cp-rank' in argv else '?'})"
+            lines.append(f"{who}: {units} {plural}, main thread {secs['total'] * 1e6 / units:.1f} µs a {unit} "
+                         f"from its first {first} to its exit")
+            for key in sorted(k for k in secs if k != "total"):
+                n = calls.get(key, 0)
+                if not n:
+                    continue  # read, never timed (no flush in a process without a stream)
+                lines.append(f"  {key:<36} {secs[key] * 1e6 / units:9.1f} µs/{unit} {n / units:7.2f} calls/{unit} "
                              f"{secs[key] * 1e6 / n:8.1f} µs/call")
-    lines[:0] = _senders(out)
-    return lines
-
-
-def _senders(out: Path) -> list[str]:
-    lines = []
-    for f in sorted(out.glob("sender-*.json")):
-        d = json.loads(f.read_text())
-        secs, calls = d["seconds"], d["calls"]
-        rooms = calls.get("rooms", 0)
-        if not rooms:
-            continue
-        argv = d["argv"]
-        rank = argv[argv.index("--cp-rank") + 1] if "--cp-rank" in argv else "?"
-        lines.append(f"{f.stem} (rank {rank}): {rooms} rooms, main thread {secs['total'] * 1e6 / rooms:.1f} µs a room "
-                     "from its first room to its exit")
-        for key in sorted(k for k in secs if k != "total"):
-            n = calls.get(key, 0)
-            if not n:
-                continue  # read, never timed (no flush in a process without a stream)
-            lines.append(f"  {key:<36} {secs[key] * 1e6 / rooms:9.1f} µs/room {n / rooms:7.2f} calls/room "
-                         f"{secs[key] * 1e6 / n:8.1f} µs/call")
     return lines
 
 
