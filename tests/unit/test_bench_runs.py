@@ -19,6 +19,8 @@ def test_a_target_without_a_comparison_is_named() -> None:
     assert op_of("anything", {"op": "<="}) == "<="
     with pytest.raises(ValueError, match="'speed' names no comparison"):
         op_of("speed", {"value": 1.0})
+    with pytest.raises(ValueError, match="'speed' names no comparison"):  # an empty entry in every run
+        verdict([{"targets": {"speed": {}}}])
 
 
 def test_a_target_measured_in_some_runs_is_judged_on_those() -> None:

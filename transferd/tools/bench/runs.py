@@ -60,7 +60,7 @@ def verdict(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
         ts = [run["targets"].get(name) or {} for run in runs]
-        op = op_of(name, next(t for t in ts if t))
+        op = op_of(name, next((t for t in ts if t), {}))
         values = [_number(t.get("value")) for t in ts]
         have = [(v, _number(t.get("target"))) for v, t in zip(values, ts) if v is not None]
         entry: dict[str, Any] = {"op": op, "values": values, "median": None, "target": None, "met": False,
