@@ -157,18 +157,17 @@ if _role == "receiver":
             self._s = sock
         def __getattr__(self, name):
             return getattr(self._s, name)
-        def recv_into(self, *a):
+
+    def _timed_read(name):
+        def read(self, *a):
             t = _tt()
             try:
-                return self._s.recv_into(*a)
+                return getattr(self._s, name)(*a)
             finally:
                 _note("reads", t)
-        def recvmsg_into(self, *a):
-            t = _tt()
-            try:
-                return self._s.recvmsg_into(*a)
-            finally:
-                _note("reads", t)
+        return read
+    _TimedSock.recv_into = _timed_read("recv_into")
+    _TimedSock.recvmsg_into = _timed_read("recvmsg_into")
 
     _init = StreamReader.__init__
     def init(self, sock, *a, **k):

@@ -18,7 +18,7 @@ from transferd.transport.loop_socket import LoopSocket, configure
 from transferd.transport.planes.sending import SENT_ZMQ, ConnPipes, RoomTx, SendEnv
 from transferd.transport.planes.zmq import ZmqSender
 
-from .turns_helpers import cancel_first_as_woken
+from .turns_helpers import cancel_first_as_woken, counting_waits
 
 _ports = itertools.count()
 
@@ -75,19 +75,6 @@ def zmq_plane(link: LoopSocket) -> ZmqSender:
     are built here and handed to ``_emit`` as the plane's batching would)."""
     env = SendEnv(SimpleNamespace(buffers=()), (), None, 1 << 20, 1 << 20)  # type: ignore[arg-type]
     return ZmqSender(env, ConnPipes("test", link))
-
-
-def counting_waits(link: LoopSocket) -> list[int]:
-    """Count the socket's waits for room (each one a wake-up of a room's send loop)."""
-    waits = [0]
-    real = link.writable
-
-    async def writable() -> None:
-        waits[0] += 1
-        await real()
-
-    link.writable = writable  # type: ignore[method-assign]
-    return waits
 
 
 def waiting_rooms(link: LoopSocket, n: int) -> tuple[list[Any], list[asyncio.Task[int]]]:

@@ -18,7 +18,7 @@ from transferd.transport.data_stream import SEND_BUFFER, StreamServer, StreamWri
 from transferd.transport.planes.sending import SENT_STREAM, ConnPipes, RoomTx, SendEnv
 from transferd.transport.planes.stream import StreamSender
 
-from .turns_helpers import cancel_first_as_woken
+from .turns_helpers import cancel_first_as_woken, counting_waits
 
 KEY = b"k" * 16
 
@@ -222,19 +222,6 @@ def waiting_rooms(writer: StreamWriter, n: int) -> tuple[list[Any], list[tuple[b
     tasks = [asyncio.create_task(plane._emit(RoomTx(room, i), h, [memoryview(p)], len(p)))  # type: ignore[arg-type]
              for i, (room, (h, p)) in enumerate(zip(rooms, records))]
     return rooms, records, tasks
-
-
-def counting_waits(writer: StreamWriter) -> list[int]:
-    """Count the writer's waits for writability (each one a wake-up of a room's send loop)."""
-    waits = [0]
-    real = writer.writable
-
-    async def writable() -> None:
-        waits[0] += 1
-        await real()
-
-    writer.writable = writable  # type: ignore[method-assign]
-    return waits
 
 
 def test_rooms_waiting_for_the_stream_are_woken_one_at_a_time_in_order() -> None:

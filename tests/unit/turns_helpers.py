@@ -1,4 +1,4 @@
-"""A helper shared by the tests of the two ways out of a sender that hold rooms back while their
+"""Helpers shared by the tests of the two ways out of a sender that hold rooms back while their
 pipe is full (``StreamWriter``, ``LoopSocket``): both keep a ``_waiters`` queue woken through
 ``_wake_one`` (``transferd/transport/turns.py``)."""
 
@@ -21,3 +21,16 @@ def cancel_first_as_woken(way_out: Any, task: asyncio.Task[Any]) -> None:
             task.cancel()
 
     way_out._wake_one = wake_then_cancel
+
+
+def counting_waits(way_out: Any) -> list[int]:
+    """Count ``way_out``'s waits for room (each one a wake-up of a room's send loop)."""
+    waits = [0]
+    real = way_out.writable
+
+    async def writable() -> None:
+        waits[0] += 1
+        await real()
+
+    way_out.writable = writable
+    return waits

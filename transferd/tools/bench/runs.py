@@ -65,16 +65,13 @@ def verdict(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         have = [(v, _number(t.get("target"))) for v, t in zip(values, ts) if v is not None]
         entry: dict[str, Any] = {"op": op, "values": values, "median": None, "target": None, "met": False,
                                  "runs_measured": len(have)}
-        if have:
-            goal = have[0][1]
-            if op == "==":  # exact in every run: its own analytic figure, which the runs share
-                entry["median"] = statistics.median(v for v, _ in have)
-                entry["target"] = goal
-                entry["met"] = all(g is not None and _holds(v, op, g) for v, g in have)
-            elif goal is not None:
-                entry["median"] = statistics.median(v for v, _ in have)
-                entry["target"] = goal
-                entry["met"] = _holds(entry["median"], op, goal)
+        goal = have[0][1] if have else None
+        if goal is not None:
+            entry["median"] = median = statistics.median(v for v, _ in have)
+            entry["target"] = goal
+            # the de-dup cut: exact in every run (against each run's own analytic figure)
+            entry["met"] = (all(g is not None and _holds(v, op, g) for v, g in have) if op == "=="
+                            else _holds(median, op, goal))
         out[name] = entry
     clean = [{"rooms_ok": run.get("rooms_ok"), "rooms_failed": run.get("rooms_failed"),
               "mismatched_bytes": run.get("mismatched_bytes"), "seconds": run.get("seconds")} for run in runs]
