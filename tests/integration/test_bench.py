@@ -79,6 +79,8 @@ def test_limits_and_bulk_have_a_figure_per_size(run: tuple[dict[str, Any], str])
         assert b["room_bytes"] > 0 and b["rooms_per_measurement"] > 0
         assert b["shm_share"] == 0.0  # the TCP column really went over TCP
         assert b["stream_share"] == 1.0  # ... on the data stream, the default between hosts
+        # the rooms' mean expect -> success time, from the receiver's stats: inside the measurement
+        assert _pos(b["room_ms_mean"]) and 0 < b["room_vs_measurement"] <= 1.0, (key, b)
     zs = out["bulk"]["1MiB"]["zmq_socket"]  # the same rooms with the stream off
     assert _pos(zs["gbps"]) and _pos(zs["stream_vs_zmq_socket"]) and zs["stream_share"] == 0.0, zs
     assert _pos(out["ratios"]["tcp_vs_raw_zmq"])
@@ -116,8 +118,9 @@ def test_cp8_bulk_beside_eight_raw_tcp_connections(run: tuple[dict[str, Any], st
     assert len(c8["rounds"]) == len(c8["raw_tcp_x8_rounds"]) == len(x8["rounds"]) == out["repeats"]
     for k in ("gbps", "raw_tcp_x8_gbps", "vs_raw_tcp_x8", "receiver_cpu_s_per_gb", "sender_cpu_s_per_gb",
               "raw_tcp_x8_receiver_cpu_s_per_gb", "raw_tcp_x8_sender_cpu_s_per_gb", "sender_cpu_vs_cp1",
-              "raw_tcp_sender_cpu_s_per_gb", "raw_tcp_x8_sender_cpu_vs_raw_tcp"):
+              "raw_tcp_sender_cpu_s_per_gb", "raw_tcp_x8_sender_cpu_vs_raw_tcp", "room_ms_mean"):
         assert _pos(c8[k]), (k, c8)
+    assert 0 < c8["room_vs_measurement"] <= 1.0, c8
     # the raw senders' own eight-to-one ratio, beside transferd's: one raw sender is the 1 MiB block's limit
     assert c8["raw_tcp_sender_cpu_s_per_gb"] == out["limits"]["raw_tcp"]["1MiB"]["sender_cpu_s_per_gb"]
     assert c8["raw_tcp_x8_sender_cpu_vs_raw_tcp"] == pytest.approx(  # of the unrounded medians

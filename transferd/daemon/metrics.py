@@ -132,6 +132,11 @@ class RoomDurations(Collector):
         c[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1  # the first bound >= seconds: "le"
         c[-1] += seconds
 
+    def totals(self) -> dict[str, dict[str, float]]:
+        """Per outcome, the rooms ended and their durations summed (the histogram's ``_count`` and
+        ``_sum``; the engine API's ``stats`` carries them, with or without the endpoint)."""
+        return {outcome: {"count": sum(c[:-1]), "sum": round(c[-1], 6)} for outcome, c in list(self.by_outcome.items())}
+
     def collect(self) -> Iterator[Any]:
         h = HistogramMetricFamily("transferd_room_duration_seconds",
                                   "Room duration (receiver: expect → end; sender: first chunk → end)",

@@ -573,7 +573,7 @@ class Receiver(AgentBase):
         out.update(role="receiver", name=self.rcfg.name, pid=os.getpid(), incarnation=self.incarnation,
                    data_endpoint=self.data_endpoint, engine_endpoint=self.engine_endpoint,
                    metrics_port=self.metrics.port, uptime_s=round(time.time() - self.t_start, 3),
-                   draining=self.draining, heap_trims=self.heap_trims)
+                   draining=self.draining, heap_trims=self.heap_trims, room_seconds=self.metrics.durations.totals())
         shm = self.shm_reader
         if shm is not None:  # the same-host plane's jobs read on its threads, and the call they use
             engine = shm.engine

@@ -172,6 +172,22 @@ def cpu_since(pids: list[int], before: list[float | None]) -> list[float] | None
     return [b - a for a, b in zip(before, now)]  # type: ignore[operator]
 
 
+def room_seconds(stats: dict[str, Any]) -> tuple[int, float]:
+    """Successful rooms a receiver has ended and their expect → end durations summed (its
+    ``stats``' ``room_seconds``)."""
+    ok = stats.get("room_seconds", {}).get("success", {})
+    return int(ok.get("count", 0)), float(ok.get("sum", 0.0))
+
+
+def room_ms_mean(before: tuple[int, float], after: tuple[int, float], seconds: float) -> dict[str, float]:
+    """A measurement's rooms' mean expect → end time (ms), and that over the measurement's time:
+    1.0 when every room ends with the last one, about half when they end one after another."""
+    n, s = after[0] - before[0], after[1] - before[1]
+    if n <= 0 or seconds <= 0:
+        return {}
+    return {"room_ms_mean": s / n * 1e3, "room_vs_measurement": s / n / seconds}
+
+
 class Filler:
     """Distinct pseudo-random bytes per row at memcpy speed: slices of one random block, each row
     starting at a different offset; pools filled with different seeds never share a row."""

@@ -65,7 +65,9 @@ CP8_NOTE = ("eight sender daemons (one group, cp_size 8, split \"pages\", each o
             "sender_cpu_vs_cp1: the eight ranks' summed sender CPU per GB over the cp 1 bulk/1MiB sender's "
             "(medians: the two are in different blocks); raw_tcp_x8_sender_cpu_vs_raw_tcp: the same for the "
             "limits, the eight raw senders' summed CPU per GB over one raw sender's (limits.raw_tcp, the 1 MiB "
-            "block): the part of the ratio that is the kernel's, not transferd's.")
+            "block): the part of the ratio that is the kernel's, not transferd's. room_ms_mean: the rooms' mean "
+            "time from expect to success at the receiver (room_seconds in its stats), median of the rounds; "
+            "room_vs_measurement: that over the measurement's time (1.0: every room ends with the last).")
 DEDUP_METHOD = ("the same room from two real groups of cp ranks into the same receiver: one with the "
                 "de-dup (sender.dedup = true, the default), one without (sender.dedup = false: every rank "
                 "ships the replicated state). Wire bytes from the senders' own counters; measured cut = "
@@ -145,6 +147,8 @@ def _bulk(f: Figures, b: Bench) -> dict[str, Any]:
             "sender_cpu_s_per_gb": rnd(f.med(name, "sender_cpu_s_per_gb"), 3),
             "shm_share": rnd(f.med(name, "shm_share"), 4),
             "stream_share": rnd(f.med(name, "stream_share"), 4),
+            "room_ms_mean": rnd(f.med(name, "room_ms_mean"), 2),
+            "room_vs_measurement": rnd(f.med(name, "room_vs_measurement"), 3),
         }
     bulk["1MiB"]["vs_raw_tcp_pair"] = rnd(f.paired("bulk/1MiB", "raw_tcp_pair/1MiB"), 3)
     return bulk
@@ -291,6 +295,8 @@ def _cp8(f: Figures, b: Bench) -> dict[str, Any]:
                                         f.med("bulk/1MiB", "receiver_cpu_s_per_gb")), 3),
         "gbps_vs_cp1": rnd(_div(f.med(name, "gbps"), f.med("bulk/1MiB", "gbps")), 3),
         "stream_share": rnd(f.med(name, "stream_share"), 4),
+        "room_ms_mean": rnd(f.med(name, "room_ms_mean"), 2),
+        "room_vs_measurement": rnd(f.med(name, "room_vs_measurement"), 3),
         "verified_rooms": b.cp8_checked[0], "mismatched_bytes": b.cp8_checked[1],
     }
 
@@ -613,6 +619,9 @@ def format_table(out: dict[str, Any]) -> str:
                      f"senders summed {_f(c8['sender_cpu_s_per_gb'])} (raw {_f(x8['sender_cpu_s_per_gb'])}) = "
                      f"{_f(c8['sender_cpu_vs_cp1'])} × cp 1's {_f(c8['cp1_sender_cpu_s_per_gb'])}; the eight raw senders "
                      f"{_f(c8['raw_tcp_x8_sender_cpu_vs_raw_tcp'])} × one raw sender's {_f(c8['raw_tcp_sender_cpu_s_per_gb'])}")
+        lines.append(f"  a room's mean time, expect → success: {_f(c8['room_ms_mean'])} ms = "
+                     f"{_f(c8['room_vs_measurement'])} × the measurement's (cp 1, 1 MiB rows: "
+                     f"{_f(bulk['1MiB']['room_vs_measurement'])})")
     sh = out["same_host"]
     if sh.get("available"):
         lines.append("transferd same-host (rows) GB/s".ljust(34) + "".join(_f(sh[k]["gbps"]).rjust(w) for k in keys))

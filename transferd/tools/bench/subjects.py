@@ -37,6 +37,8 @@ from .plan import (
     cp8_pages_per_room,
     cpu_seconds,
     cpu_since,
+    room_ms_mean,
+    room_seconds,
     schedule,
 )
 from .sglang_room import SglangRoomBench
@@ -225,6 +227,7 @@ class Bench:
         s0 = pc.stats()
         shm0, stream0, mc0 = (int(s0.get(k, 0)) for k in ("shm_bytes", "stream_bytes", "mooncake_bytes"))
         pids = [c.rx.proc.pid, g.procs[0].proc.pid]
+        rs0 = room_seconds(c.dc.stats())
         cpu0 = [cpu_seconds(pid) for pid in pids]
         expects = [{"room": room, "group": g.name, "dst_pages": dst.tolist(), "aux_slot": j}
                    for j, (room, _, dst) in enumerate(rooms)]
@@ -235,6 +238,7 @@ class Bench:
         ok = fleet.wait_all(c, [(g.name, room) for room, _, _ in rooms])
         dt = time.perf_counter() - t0
         cpu = cpu_since(pids, cpu0)
+        rs = room_ms_mean(rs0, room_seconds(c.dc.stats()), dt)
         s1 = pc.stats()
         shm, stream = int(s1.get("shm_bytes", 0)) - shm0, int(s1.get("stream_bytes", 0)) - stream0
         mc = int(s1.get("mooncake_bytes", 0)) - mc0
@@ -244,7 +248,7 @@ class Bench:
         nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
         out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
                                "shm_share": shm / nbytes, "stream_share": stream / nbytes,
-                               "mooncake_share": mc / nbytes}
+                               "mooncake_share": mc / nbytes, **rs}
         if cpu is not None:
             out["receiver_cpu_s_per_gb"], out["sender_cpu_s_per_gb"] = (x / (nbytes / 1e9) for x in cpu)
         return out
@@ -270,6 +274,7 @@ class Bench:
         fleet.poison(c, rooms[0][1], {}, 0)
         stream0 = sum(int(pc.stats().get("stream_bytes", 0)) for pc in g.pcs)
         pids = [c.rx.proc.pid] + [p.proc.pid for p in g.procs]
+        rs0 = room_seconds(c.dc.stats())
         cpu0 = [cpu_seconds(pid) for pid in pids]
         t0 = time.perf_counter()
         for st in c.dc.expect_many([{"room": room, "group": g.name, "dst_pages": dst.tolist(), "aux_slot": j}
@@ -279,6 +284,7 @@ class Bench:
         ok = fleet.wait_all(c, [(g.name, room) for room, _ in rooms])
         dt = time.perf_counter() - t0
         d = cpu_since(pids, cpu0)
+        rs = room_ms_mean(rs0, room_seconds(c.dc.stats()), dt)
         stream = sum(int(pc.stats().get("stream_bytes", 0)) for pc in g.pcs) - stream0
         bad0 = fleet.mismatched
         fleet.verify(c, g, rooms[0][1], self.cp8_src[0], {}, {}, 0, 0)
@@ -287,7 +293,7 @@ class Bench:
         fleet.release(c, [(g.name, room) for room, _ in rooms])
         nbytes = R * (P * c.layout.kv_page_bytes() + c.layout.aux_row_bytes)
         out: dict[str, Any] = {"gbps": nbytes / dt / 1e9 if ok == R else None, "seconds": dt,
-                               "stream_share": stream / nbytes, "bytes": nbytes}
+                               "stream_share": stream / nbytes, "bytes": nbytes, **rs}
         if d is not None:
             gb = nbytes / 1e9
             out["receiver_cpu_s_per_gb"] = d[0] / gb
