@@ -113,7 +113,7 @@ class Fake:
         self.offer: dict[str, Any] = {}  # the registered answer whose stream use_stream opened
 
     def use_stream(self, reply: dict[str, Any]) -> None:
-        """From now on data, data-batch and done go on the data stream the receiver offered."""
+        """From now on data, data-batch, data-done and done go on the data stream the receiver offered."""
         assert reply["stream_port"] and len(reply["stream_key"]) == 16, reply
         self.offer = reply
         self.stream = stream_connect(reply["stream_port"], b"TDSTREAM" + reply["stream_key"])
@@ -121,7 +121,7 @@ class Fake:
     def send(self, *frames: bytes) -> None:
         if self.stream is not None:
             head = msgpack.unpackb(frames[0], raw=False)
-            if (isinstance(head, list) and head and head[0] in (1, 4)) or (
+            if (isinstance(head, list) and head and head[0] in (1, 4, 5)) or (
                     isinstance(head, dict) and head.get("t") == "done"):
                 self.stream.sendall(record(frames[0], *frames[1:]))
                 return
@@ -134,6 +134,10 @@ class Fake:
              checksum: int | None = None) -> None:
         h = [1, tok, kind, buffer, pos, count] + ([] if checksum is None else [checksum])
         self.send(pack(h), payload)
+
+    def data_done(self, tok: int, rank: int, entries: list[tuple[int, int, int, int]], payloads: list[bytes]) -> None:
+        """A data-done message: these entries' rows, then the done of ``rank`` (PROTOCOL §4)."""
+        self.send(pack([5, tok, rank, [0, 0, 0], [list(e) for e in entries]]), *payloads)
 
     def _recv_one(self, timeout_ms: int) -> bool:
         if not self.sock.poll(timeout_ms):
@@ -313,7 +317,13 @@ GARBAGE: list[tuple[str, list[bytes], str]] = [
     ("data-no-payload", [pack([1, 1, 0, 0, 0, 1])], "malformed"),
     ("data-two-payloads", [pack([1, 1, 0, 0, 0, 1]), b"a" * ROW, b"b"], "malformed"),
     ("ping-extra-frame", [pack(Ping(1).header()), b"extra"], "malformed"),
+    ("data-done-no-entries", [pack([5, 1, 0, [0, 0, 0], []])], "decode"),
+    ("data-done-bytes-short", [pack([5, 1, 0, [0, 0], [[0, 0, 0, 1]]]), b"x"], "decode"),
+    ("data-done-rank-str", [pack([5, 1, "0", [0, 0, 0], [[0, 0, 0, 1]]]), b"x"], "decode"),
+    ("data-done-no-payload", [pack([5, 1, 0, [0, 0, 0], [[0, 0, 0, 1]]])], "malformed"),
+    ("data-done-two-payloads", [pack([5, 1, 0, [0, 0, 0], [[0, 0, 0, 1]]]), b"a" * ROW, b"b"], "malformed"),
     ("data-unregistered", [pack([1, 1, 0, 0, 0, 1]), b"\0" * ROW], "unregistered"),
+    ("data-done-unregistered", [pack([5, 1, 0, [0, 0, 0], [[0, 0, 0, 1]]]), b"\0" * ROW], "unregistered"),
     ("ping-unregistered", [pack(Ping(1).header())], "unregistered"),
     ("done-unregistered", [pack(Done(1, 0, 0, 0, 0).header())], "unregistered"),
     ("fail-unregistered", [pack(Fail(1, "x", "y").header())], "unregistered"),
@@ -410,9 +420,9 @@ def test_register_with_a_wrong_field_type_gets_no_answer(guard: Env, field_: str
     f = env.fake("regtype")
     f.ctrl(register_header(f"rt-{next(env.ids)}", 0, 1) | {field_: [1.5]})
     assert_refused_once(env, before, logs, "decode")
-    f.ctrl(register_header("rt-probe", 0, 1) | {"v": 7})
+    f.ctrl(register_header("rt-probe", 0, 1) | {"v": 99})
     reply = f.next("registered")  # the first answer on this connection is to the probe
-    assert "protocol version 7" in reply["reason"], reply
+    assert "protocol version 99" in reply["reason"], reply
 
 
 def test_inconsistent_cp_size_or_split_inside_one_group_is_refused(guard: Env) -> None:
@@ -778,6 +788,48 @@ def test_fake_sender_bad_data_fails_the_room_and_writes_nothing(
     r.want = want
     env.until(lambda: env.dc.stats()["dropped"].get("room_not_live", 0) == dropped + late, "late frames dropped")
     assert env.dc.poll(r.room, group).code == code
+    r.check_pool()
+    env.dc.release(r.room, group)
+
+
+@pytest.mark.parametrize("channel", ["zmq", "stream"])
+def test_a_data_done_writes_its_rows_then_counts_as_the_done(guard: Env, channel: str) -> None:
+    """A data-done message is its entries, each exactly as a data message, then its done exactly
+    as a done message: a done naming another rank is refused (the rows before it stay written),
+    an honest one completes the room; an entry refused fails the room and the done after it
+    finds no live room."""
+    env = guard
+    fake, group, r = fake_room(env, channel=channel)
+    L = r.layout
+    kv = L.indices("kv")
+    for b in kv[:-1]:
+        r.kv(b, 0, r.n)
+    for b in L.indices("state"):
+        r.state(b, 0, len(r.slots[L.buffers[b].component]))
+    r.aux_row()
+    last = kv[-1]
+    before, logs = env.refused(), env.log_lines("wrong_peer")
+    fake.data_done(r.tok, 1, [(KV, last, 0, 2)], [r.rows(last, 0, 2)])  # its done names rank 1
+    r.want[last][r.dst[0:2]] = r.src[last][0:2]
+    assert_refused_once(env, before, logs, "wrong_peer")
+    assert env.dc.poll(r.room, group).state is RoomState.TRANSFERRING
+    r.check_pool()
+    fake.data_done(r.tok, 0, [(KV, last, 2, r.n - 3), (KV, last, r.n - 1, 1)],
+                   [r.rows(last, 2, r.n - 3), r.rows(last, r.n - 1, 1)])
+    r.want[last][r.dst[2:]] = r.src[last][2:]
+    assert r.wait().state is RoomState.SUCCESS
+    assert fake.next("status")["state"] == "success"
+    r.check_pool()
+    env.dc.release(r.room, group)
+    # an entry past the room's end: the room fails; its done is dropped (no live room), nothing written
+    r = open_room(env, fake, group)
+    dropped = env.dc.stats()["dropped"].get("done_not_live", 0)
+    before, logs = env.refused(), env.log_lines("unexpected")
+    fake.data_done(r.tok, 0, [(KV, kv[0], r.n, 1)], [bytes(ROW)])
+    st = r.wait()
+    assert st.state is RoomState.FAILED and st.code == "unexpected", st
+    assert_refused_once(env, before, logs, "unexpected")
+    env.until(lambda: env.dc.stats()["dropped"].get("done_not_live", 0) == dropped + 1, "the done dropped")
     r.check_pool()
     env.dc.release(r.room, group)
 

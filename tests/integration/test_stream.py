@@ -89,6 +89,15 @@ def _want(pool: Pool, kind: int, buffer: int, pos: int, count: int) -> bytes:
     return rows[[STATE_SRC if kind == 1 else AUX_SRC] * count].tobytes()
 
 
+def _entries(head: list[Any]) -> tuple[list[Any], dict[str, Any] | None]:
+    """A data (1), data-batch (4) or data-done (5) header's entries, and the done a data-done
+    carries (as the done message's fields)."""
+    assert head[0] in (1, 4, 5) and head[1] == TOK, head
+    if head[0] == 5:
+        return head[4], {"tok": head[1], "rank": head[2], "bytes": head[3]}
+    return ([head[2:6]] if head[0] == 1 else head[2]), None
+
+
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     out = b""
     while len(out) < n:
@@ -115,15 +124,14 @@ def test_a_sender_writes_the_documented_records_on_its_stream(cluster: Cluster, 
         assert _recv_exactly(conn, 24) == b"TDSTREAM" + KEY  # the hello
         _room(fake, ident, pc, pool)
         seen: dict[tuple[int, int], bytes] = {}
-        while True:  # records until the done: u32 header length, u64 payload length, header, payload
+        done = None
+        while done is None:  # records until the done: u32 header length, u64 payload length, header, payload
             hlen, plen = struct.unpack("<IQ", _recv_exactly(conn, 12))
             head = msgpack.unpackb(_recv_exactly(conn, hlen), raw=False)
             payload = _recv_exactly(conn, plen)
-            if isinstance(head, dict):
-                assert head["t"] == "done" and plen == 0, head
-                break
-            tok, entries = (head[1], [head[2:6]]) if head[0] == 1 else (head[1], head[2])
-            assert head[0] in (1, 4) and tok == TOK, head
+            # the rank's last rows carry its done (a data-done record): no done record of its own
+            assert isinstance(head, list), head
+            entries, done = _entries(head)
             o = 0
             for kind, buffer, pos, count in (e[:4] for e in entries):
                 want = _want(pool, kind, buffer, pos, count)
@@ -133,7 +141,7 @@ def test_a_sender_writes_the_documented_records_on_its_stream(cluster: Cluster, 
                     seen[(buffer, p)] = b""
                 o += len(want)
             assert o == plen, (head, plen)
-        assert (head["tok"], head["rank"], tuple(head["bytes"])) == (TOK, 0, _planned(pool))
+        assert (done["tok"], done["rank"], tuple(done["bytes"])) == (TOK, 0, _planned(pool))
         L = pool.layout
         assert set(seen) == ({(b, p) for b in L.indices("kv") for p in range(len(SRC_PAGES))}
                              | {(b, 0) for b in L.indices("state")} | {(L.aux_index, 0)})
@@ -158,18 +166,16 @@ def test_a_stream_that_cannot_connect_leaves_the_data_on_zeromq(cluster: Cluster
     fake.send(ident, Registered(True, "", "fake", 77, stream_port=closed_port, stream_key=KEY))
     cluster.until(lambda: pc.stats()["dropped"].get("stream_connect_failed") == 1, "the failed connect")
     _room(fake, ident, pc, pool)
-    got = 0
-    while True:
+    got, done = 0, None
+    while done is None:  # the last data message carries the done (a data-done message)
         fake.send(ident, Ping(1))
-        _, head, frames = fake.next("data") if got < sum(_planned(pool)) else fake.next("done")
-        if isinstance(head, dict):
-            break
-        entries = [head[2:6]] if head[0] == 1 else head[2]
+        _, head, frames = fake.next("data")
+        entries, done = _entries(head)
         assert len(frames) == len(entries), head
         for (kind, buffer, pos, count), frame in zip((e[:4] for e in entries), frames):
             assert frame == _want(pool, kind, buffer, pos, count)
             got += len(frame)
-    assert got == sum(_planned(pool)) and tuple(head["bytes"]) == _planned(pool)
+    assert got == sum(_planned(pool)) and tuple(done["bytes"]) == _planned(pool)
     assert pc.stats()["stream_bytes"] == 0
     log = cluster.proc("sender-fs-r0").log.read_text()
     assert f"data stream to 127.0.0.1:{closed_port}" in log and "goes over its ZeroMQ socket instead" in log
@@ -208,14 +214,13 @@ def test_a_sender_takes_a_bundle_entry_by_entry_and_refuses_a_bad_one_whole(clus
     pc.submit(ROOM, 0, SRC_PAGES, last=True, state={c: [STATE_SRC] for c in comps}, aux_slot=AUX_SRC)
     fake.send(ident, Bundle((Registered(True, "", "fake", 77),
                              Assign(TOK, ROOM, len(DST_PAGES), 0, DST_PAGES, {c: (STATE_DST,) for c in comps}, AUX_DST))))
-    got = 0
-    while got < sum(_planned(pool)):
+    got, done = 0, None
+    while done is None:
         _, head, frames = fake.next("data")
-        entries = [head[2:6]] if head[0] == 1 else head[2]
+        entries, done = _entries(head)
         for (kind, buffer, pos, count), frame in zip((e[:4] for e in entries), frames):
             assert frame == _want(pool, kind, buffer, pos, count)
             got += len(frame)
-    _, done, _ = fake.next("done")
     assert got == sum(_planned(pool)) and tuple(done["bytes"]) == _planned(pool)
     bad = msgpack.packb({"t": "bundle", "v": PROTOCOL_VERSION,
                          "msgs": [msgpack.packb(Status(TOK, ROOM, "failed", "x", "y").header()), b"\xc1"]})

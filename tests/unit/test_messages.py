@@ -22,6 +22,7 @@ from transferd.protocol.messages import (
     Assign,
     Bundle,
     Data,
+    DataDone,
     Done,
     Fail,
     Message,
@@ -55,6 +56,9 @@ SAMPLES: list[Message] = [
     Data(tok=7, kind=0, buffer=12, pos=1 << 39, count=5),
     Data(tok=U64_MAX, kind=2, buffer=0, pos=0, count=1),
     Data(tok=3, kind=1, buffer=2, pos=4, count=2, checksum=U64_MAX),
+    DataDone(tok=9, entries=(Data(9, 0, 1, 2, 3),), done=Done(9, 7, 1 << 40, 0, 64)),
+    DataDone(tok=U64_MAX, entries=(Data(U64_MAX, 0, 1, 2, 3), Data(U64_MAX, 2, 4, 0, 1, checksum=77)),
+             done=Done(U64_MAX, 1 << 16, 0, 0, 0)),
     Done(tok=9, rank=2, kv_bytes=1 << 40, state_bytes=0, aux_bytes=64),
     Fail(tok=9, code="aborted", reason="engine aborted the request — ünïcode"),
     Status(tok=1, room=2, state="success"),
@@ -134,7 +138,7 @@ def test_data_header_is_a_short_array() -> None:
 
 def test_control_headers_carry_type_and_version() -> None:
     for msg in SAMPLES:
-        if isinstance(msg, Data):
+        if isinstance(msg, (Data, DataDone)):
             continue
         obj = msgpack.unpackb(encode(msg), raw=False)
         assert obj["t"] == type(msg).T
@@ -167,7 +171,7 @@ def test_structured_garbage_raises_only_protocol_errors(data: st.DataObject) -> 
     msg = data.draw(st.sampled_from(SAMPLES))
     obj = msgpack.unpackb(encode(msg), raw=False)
     if isinstance(obj, list):
-        obj[data.draw(st.integers(0, 5))] = data.draw(_value)
+        obj[data.draw(st.integers(0, len(obj) - 1))] = data.draw(_value)
     else:
         key = data.draw(st.sampled_from(sorted(obj)))
         if data.draw(st.booleans()):
@@ -434,6 +438,36 @@ def test_data_batch_round_trip_and_limits() -> None:
         (msgpack.packb([4, 9, [entry, [0, 1, 2, 0]]]), "data header fields out of range"),
         (msgpack.packb([4, -1, [entry, entry]]), "data-batch token out of range"),
         (msgpack.packb([4, 9]), "data-batch header must be"),
+    ]:
+        with pytest.raises(DecodeError, match=why):
+            decode_header(bad)
+
+
+def test_data_done_round_trip_and_limits() -> None:
+    from transferd.protocol.messages import DATA_DONE_TAG, MAX_BATCH_ENTRIES
+
+    m = DataDone(9, (Data(9, 0, 1, 2, 3),), Done(9, 2, 5, 6, 7))
+    assert msgpack.unpackb(encode(m)) == [DATA_DONE_TAG, 9, 2, [5, 6, 7], [[0, 1, 2, 3]]]
+    back = decode_header(encode(m))
+    assert back == m and back.done == Done(9, 2, 5, 6, 7)  # the done names the entries' room
+    entry, nb = [0, 1, 2, 3], [1, 2, 3]
+    for bad, why in [
+        (msgpack.packb([5, 9, 2, nb, []]), "data-done with 0 entries"),
+        (msgpack.packb([5, 9, 2, nb, [entry] * (MAX_BATCH_ENTRIES + 1)]), f"with {MAX_BATCH_ENTRIES + 1} entries"),
+        (msgpack.packb([5, 9, 2, nb, entry]), "data-done entry must be"),
+        (msgpack.packb([5, 9, 2, nb, [entry, [0, 1, 2]]]), "data-done entry must be"),
+        (msgpack.packb([5, 9, 2, nb, [[0, 1, 2, True]]]), "data-done entry must be"),
+        (msgpack.packb([5, 9, 2, nb, [[3, 1, 2, 3]]]), "data header fields out of range"),
+        (msgpack.packb([5, 9, 2, nb, [[0, 1, 2, 0]]]), "data header fields out of range"),
+        (msgpack.packb([5, -1, 2, nb, [entry]]), "data-done token out of range"),
+        (msgpack.packb([5, 9, (1 << 16) + 1, nb, [entry]]), "data-done rank out of range"),
+        (msgpack.packb([5, 9, -1, nb, [entry]]), "data-done rank out of range"),
+        (msgpack.packb([5, 9, 2, [1, 2], [entry]]), "its bytes must be three non-negative ints"),
+        (msgpack.packb([5, 9, 2, [1, 2, -3], [entry]]), "its bytes must be three non-negative ints"),
+        (msgpack.packb([5, 9, 2, [1, 2, "3"], [entry]]), "its bytes must be three non-negative ints"),
+        (msgpack.packb([5, 9, 2, nb]), "data-done header must be"),
+        (msgpack.packb([5, 9, "2", nb, [entry]]), "data-done header must be"),
+        (msgpack.packb([5, 9, 2, 6, [entry]]), "data-done header must be"),
     ]:
         with pytest.raises(DecodeError, match=why):
             decode_header(bad)

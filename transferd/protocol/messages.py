@@ -37,7 +37,11 @@ from ..errors import DecodeError, VersionMismatch
 #       "bundle" message (each entry the bytes of the message alone, in order), so a batch of
 #       rooms is one ZeroMQ message per rank instead of one per room. A version-5 sender would
 #       refuse a bundle as an unknown type, so the versions do not mix.
-PROTOCOL_VERSION = 6
+#   7 — data-done: a rank's last data entries of a room and its done in one message (one record
+#       on a data stream), so a rank-room ends with one message where it took two. A version-6
+#       receiver would refuse the header as a data header of the wrong shape, so the versions do
+#       not mix.
+PROTOCOL_VERSION = 7
 MAX_TE_SESSION = 255  # "host:port" of an engine, or a NIXL agent's name; longer is hostile
 MAX_NIXL_MD = 1 << 20  # a NIXL agent's metadata: ~45 bytes a buffer per transport on TCP; more is hostile
 
@@ -46,6 +50,7 @@ DATA_TAG = 1
 DATA_REF_TAG = 2
 DATA_REFS_TAG = 3
 DATA_BATCH_TAG = 4
+DATA_DONE_TAG = 5
 MAX_BATCH_ENTRIES = 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # an assign for a very long room still fits; more is hostile
 # What a receiver accepts from senders, checked on the frame's length before any decoding: the
@@ -335,6 +340,23 @@ class Done:
 
 
 @dataclass(frozen=True, slots=True)
+class DataDone:
+    """Sender → receiver: a rank's last data entries of a room and that rank's ``done``, in one
+    message. Header ``[5, tok, rank, [kv_bytes, state_bytes, aux_bytes], [[kind, buffer, pos,
+    count(, checksum)], …]]`` (1 to ``MAX_BATCH_ENTRIES`` entries), then one payload frame per
+    entry. Handled exactly as the data-batch of its entries followed by the done."""
+
+    tok: int
+    entries: tuple[Data, ...]
+    done: Done
+
+    def header(self) -> list[Any]:
+        d = self.done
+        return [DATA_DONE_TAG, self.tok, d.rank, [d.kv_bytes, d.state_bytes, d.aux_bytes],
+                [e.header()[2:] for e in self.entries]]
+
+
+@dataclass(frozen=True, slots=True)
 class Fail:
     """Sender → receiver: the prefill side failed or aborted the room."""
 
@@ -446,7 +468,7 @@ class Bundle:
 
 BUNDLED = (Registered, Assign, Status, Ping, Pong)
 Control = Register | Registered | Assign | Done | Fail | Status | Ping | Pong | Bundle
-Message = Control | Data | DataRef | DataRefs | DataBatch
+Message = Control | Data | DataRef | DataRefs | DataBatch | DataDone
 
 CONTROL_TYPES: dict[str, Any] = {
     c.T: c for c in (Register, Registered, Assign, Done, Fail, Status, Ping, Pong, Bundle)
@@ -467,6 +489,16 @@ def _data_fields(tok: int, kind: int, buf: int, pos: int, count: int, csum: int 
     if not (_rows_in_range(tok, kind, buf, pos, count) and (csum is None or 0 <= csum <= U64_MAX)):
         raise DecodeError(f"data header fields out of range: {obj}")
     return Data(tok, kind, buf, pos, count, csum)
+
+
+def _entries(tok: int, raw: list[Any], what: str) -> tuple[Data, ...]:
+    """The entries of a data-batch or data-done header, each checked as a data header."""
+    entries = []
+    for e in raw:
+        if not isinstance(e, list) or len(e) not in (4, 5) or not all(type(x) is int for x in e):
+            raise DecodeError(f"{what} entry must be [kind, buffer, pos, count(, checksum)] of ints")
+        entries.append(_data_fields(tok, e[0], e[1], e[2], e[3], e[4] if len(e) == 5 else None, e))
+    return tuple(entries)
 
 
 def decode_header(frame: bytes | memoryview, limit: int = MAX_HEADER_BYTES, *, _in_bundle: bool = False) -> Message:
@@ -494,12 +526,22 @@ def decode_header(frame: bytes | memoryview, limit: int = MAX_HEADER_BYTES, *, _
             raise DecodeError(f"data-batch token out of range: {tok}")
         if not 2 <= len(raw) <= MAX_BATCH_ENTRIES:
             raise DecodeError(f"data-batch with {len(raw)} entries (2 to {MAX_BATCH_ENTRIES})")
-        entries = []
-        for e in raw:
-            if not isinstance(e, list) or len(e) not in (4, 5) or not all(type(x) is int for x in e):
-                raise DecodeError("data-batch entry must be [kind, buffer, pos, count(, checksum)] of ints")
-            entries.append(_data_fields(tok, e[0], e[1], e[2], e[3], e[4] if len(e) == 5 else None, e))
-        return DataBatch(tok, tuple(entries))
+        return DataBatch(tok, _entries(tok, raw, "data-batch"))
+    if isinstance(obj, list) and obj and obj[0] == DATA_DONE_TAG:
+        if (len(obj) != 5 or type(obj[1]) is not int or type(obj[2]) is not int or not isinstance(obj[3], list)
+                or not isinstance(obj[4], list)):
+            raise DecodeError("data-done header must be [5, tok, rank, [kv_bytes, state_bytes, aux_bytes], "
+                              "[[kind, buffer, pos, count(, checksum)], ...]]")
+        tok, rank, nbytes, raw = obj[1:]
+        if not 0 <= tok <= U64_MAX:
+            raise DecodeError(f"data-done token out of range: {tok}")
+        if not 0 <= rank <= 1 << 16:
+            raise DecodeError(f"data-done rank out of range: {rank}")
+        if len(nbytes) != 3 or not all(type(x) is int and 0 <= x <= U64_MAX for x in nbytes):
+            raise DecodeError("data-done: its bytes must be three non-negative ints")
+        if not 1 <= len(raw) <= MAX_BATCH_ENTRIES:
+            raise DecodeError(f"data-done with {len(raw)} entries (1 to {MAX_BATCH_ENTRIES})")
+        return DataDone(tok, _entries(tok, raw, "data-done"), Done(tok, rank, *nbytes))
     if isinstance(obj, list) and obj and obj[0] == DATA_REFS_TAG:
         if len(obj) != 6 or not all(type(x) is int for x in obj):
             raise DecodeError("data-refs header must be [3, tok, kind, buffer, pos, count] of ints")

@@ -17,6 +17,7 @@ from ..protocol.messages import (
     MAX_INBOUND_HEADER_BYTES,
     Data,
     DataBatch,
+    DataDone,
     DataRef,
     DataRefs,
     Done,
@@ -80,9 +81,10 @@ class DataPath:
             return
         now = time.monotonic()
         peer = core.seen(ident, now)
-        if isinstance(msg, DataBatch):
+        if isinstance(msg, (DataBatch, DataDone)):
             if len(frames) != 2 + len(msg.entries):
-                self.rx.refuse("malformed", f"data-batch of {len(msg.entries)} entries with {len(frames) - 2} "
+                what = "data-batch" if isinstance(msg, DataBatch) else "data-done"
+                self.rx.refuse("malformed", f"{what} of {len(msg.entries)} entries with {len(frames) - 2} "
                                             "payload frames", ident)
                 return
             if peer is None:
@@ -90,6 +92,8 @@ class DataPath:
                 return
             for entry, frame in zip(msg.entries, frames[2:]):
                 self.data(peer, self.zmq, entry, frame.buffer, now)  # each exactly as a data message
+            if isinstance(msg, DataDone):
+                self.done(peer, msg.done, now)  # then exactly as the done message
             return
         if isinstance(msg, (Data, DataRef, DataRefs)):
             want = 2 if isinstance(msg, DataRef) else 3
@@ -119,15 +123,19 @@ class DataPath:
         elif isinstance(msg, Pong):
             pass  # last_seen is already updated
         elif isinstance(msg, Done):
-            if self.rx.reads_busy(msg.tok):
-                # its rows are still being read: the core hears of it once they settled
-                self.rx.after_room_reads(msg.tok, partial(self._late_done, peer, msg))
-            else:
-                core.done(peer, msg, now)
+            self.done(peer, msg, now)
         elif isinstance(msg, Fail):
             core.fail(peer, msg, now)
         else:
             self.rx.refuse("unexpected_type", f"{type(msg).__name__} is not sent to a receiver", ident)
+
+    def done(self, peer: Peer, msg: Done, now: float) -> None:
+        """A rank's ``done`` (alone, or after the entries of a data-done message)."""
+        if self.rx.reads_busy(msg.tok):
+            # its rows are still being read: the core hears of it once they settled
+            self.rx.after_room_reads(msg.tok, partial(self._late_done, peer, msg))
+        else:
+            self.core.done(peer, msg, now)
 
     def _late_done(self, peer: Peer, msg: Done) -> None:
         """A ``done`` that waited for its room's reads to settle."""

@@ -1,7 +1,7 @@
 """A room's send loop: what the sender's core lets out, handed to the connection's data plane.
 
 Per chunk: the KV rows of this rank's plan; after the last chunk, the state rows of the
-components it sends, the aux row (rank 0), the batch, then ``done`` — each through the plane of
+components it sends, the aux row (rank 0), then the batch and ``done`` — each through the plane of
 the connection the room's assign came on (``transport/planes``). The core checks each chunk
 before it is sent (``next_chunk``) and hears of a send error (``send_failed``)."""
 
@@ -95,7 +95,4 @@ class RoomSender:
         if plan.aux and not room.stopped:
             assert chunk.aux is not None
             await plane.send_rows(tx, Kind.AUX, (layout.aux_index,), chunk.aux, chunk.aux, 0)
-        await plane.end_chunk(tx)
-        if room.stopped:
-            return
-        await plane.send_done(tx, Done(a.tok, self.rank, *room.planned))
+        await plane.send_done(tx, Done(a.tok, self.rank, *room.planned))  # the batch too, and the last data with it

@@ -5,7 +5,8 @@ A :class:`SenderPlane` belongs to one receiver connection and is chosen when it 
 (``transport/planes/__init__.py`` has the registry): ZeroMQ frames (:mod:`.zmq`), the TCP data
 stream (:mod:`.stream`) or same-host row references (:mod:`.same_host`). The send loop hands it a
 room's rows per chunk (``send_rows``), then ends the chunk (``end_chunk``: the room's small
-pieces go out as one batch) and, after the last chunk, the room's ``done``. Every method checks
+pieces go out as one batch), and after the last chunk's rows the room's ``done`` (``send_done``:
+the batch too, and where it can the last data with it, as one message). Every method checks
 ``tx.room.stopped`` between messages: nothing of a stopped room leaves after its fail.
 
 This is the hot path (1 MiB messages at GB/s, small rooms at thousands a second): a plane adds
@@ -50,13 +51,16 @@ class RoomLink(Protocol):
 
 @dataclass(slots=True, eq=False)
 class RoomTx:
-    """One run of a room's send loop on a plane: its token and its batch of small entries not
-    sent yet (always empty at the end of a chunk, unless the room stopped)."""
+    """One run of a room's send loop on a plane: its token, its batch of small entries not
+    sent yet, and the entries of the message held back until the next one is ready (the
+    room's last goes with its ``done``); both empty at the end of a chunk, unless the room
+    stopped."""
 
     room: RoomLink
     tok: int
     batch: list[Piece] = field(default_factory=list)
     batch_bytes: int = 0
+    held: list[Piece] = field(default_factory=list)
 
 
 class SendCounters(Protocol):
@@ -121,7 +125,8 @@ class SenderPlane(Protocol):
         """Send what waits in the room's batch (at a chunk's end, and before done)."""
 
     async def send_done(self, tx: RoomTx, done: Done) -> None:
-        """The room's ``done``, on the same channel as its data and after all of it."""
+        """What waits in the room's batch, then the room's ``done``, on the same channel as its
+        data and after all of it (nothing when the room stopped)."""
 
     def discard(self, tx: RoomTx) -> None:
         """The room stopped: drop its unsent batch."""

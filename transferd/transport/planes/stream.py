@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ...errors import FailureCode, TransferdError
-from ...protocol.messages import Data, DataBatch, Done, decode_header
+from ...protocol.messages import Data, DataBatch, DataDone, Done, decode_header
 from ...protocol.receiver_core import DecodeRoom, Peer, ReceiverCore
 from ...protocol.room import runs
 from ...protocol.stream import prefix
@@ -83,6 +83,8 @@ class RowSink(Protocol):
 
     def data(self, peer: Peer, plane: Any, msg: Data, payload: Any, now: float) -> None: ...
 
+    def done(self, peer: Peer, msg: Done, now: float) -> None: ...
+
     def landed(self, room: DecodeRoom, how: PlaneName, buffer: int, nbytes: int, now: float) -> None: ...
 
     def refuse(self, code: str, reason: str, ident: bytes = b"") -> None: ...
@@ -118,11 +120,24 @@ class StreamReceiver(PayloadReceiver):
             else:
                 core.done(peer, msg, now)
             return drop
-        if not isinstance(msg, (Data, DataBatch)):
-            sink.refuse("unexpected_type", f"{type(msg).__name__} on a data stream (data, data-batch and done "
-                                           "only)", peer.ident)
+        if not isinstance(msg, (Data, DataBatch, DataDone)):
+            sink.refuse("unexpected_type", f"{type(msg).__name__} on a data stream (data, data-batch, data-done "
+                                           "and done only)", peer.ident)
             return drop
-        entries = msg.entries if isinstance(msg, DataBatch) else (msg,)
+        if isinstance(msg, DataDone):  # its entries, then the done: after them, or when they are dropped
+            done = msg.done
+            target = self._rows(sink, reader, peer, msg.entries, payload_len, now, done)
+            if not target.views:
+                sink.done(peer, done, now)
+            return target
+        return self._rows(sink, reader, peer, msg.entries if isinstance(msg, DataBatch) else (msg,), payload_len,
+                          now)
+
+    def _rows(self, sink: RowSink, reader: StreamReader, peer: Peer, entries: tuple[Data, ...], payload_len: int,
+              now: float, done: Done | None = None) -> Target:
+        """Where the payload of these entries goes (``done``, when not None, once they landed)."""
+        drop = Target([])
+        core = sink.core
         n_buffers = len(self._row_bytes)
         sizes = [e.count * self._row_bytes[e.buffer] if e.buffer < n_buffers else -1 for e in entries]
         if min(sizes) < 0 or sum(sizes) != payload_len:
@@ -132,7 +147,7 @@ class StreamReceiver(PayloadReceiver):
                                                                      f"bytes for rows of {sum(sizes)} bytes", now)
             return drop
         if peer.checksum is None and payload_len >= DIRECT_MIN_BYTES:
-            return self._direct(sink, reader, peer, entries, sizes, now)
+            return self._direct(sink, reader, peer, entries, sizes, now, done)
         buf = reader.buffer(payload_len)  # this stream's own: records of several streams interleave
 
         def deliver() -> None:  # then exactly as the same message from the ZeroMQ socket
@@ -140,12 +155,14 @@ class StreamReceiver(PayloadReceiver):
             for entry, size in zip(entries, sizes):
                 sink.data(peer, self, entry, buf[o:o + size], at)
                 o += size
+            if done is not None:
+                sink.done(peer, done, at)
             sink.flush()
             sink.after_data(reader)
         return Target([buf[:payload_len]], deliver)
 
     def _direct(self, sink: RowSink, reader: StreamReader, peer: Peer, entries: tuple[Data, ...], sizes: list[int],
-                now: float) -> Target:
+                now: float, done: Done | None) -> Target:
         """A large payload (one data entry, or a batch of them) is read straight into its
         destination rows: every check first, the rows of every entry claimed, then the bytes; if
         the room ends while they arrive, the rest is dropped (the reader asks at every wake-up).
@@ -196,12 +213,17 @@ class StreamReceiver(PayloadReceiver):
                 sink.landed(live, PlaneName.STREAM, b, n, at)
             for msg, view in aux:
                 sink.data(peer, self, msg, view, at)
+            if done is not None:
+                sink.done(peer, done, at)
             sink.flush()
             sink.after_data(reader)
 
         def alive() -> bool:
             if live.status.state.terminal:
                 core.stream_read(live, rank, -1)  # asked no more: the rest is dropped
+                if done is not None:
+                    sink.done(peer, done, time.monotonic())  # as the done after the dropped rows
+                    sink.flush()
                 return False
             return True
         return Target(views, landed, alive)

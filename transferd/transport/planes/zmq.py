@@ -5,7 +5,9 @@ Sender side (:class:`ZmqSender`): a room's rows go in runs that are consecutive 
 source and the destination, each run cut into pieces of at most ``max_message_bytes``. A piece
 of more than half a message is a data message of its own; smaller ones gather in the room's
 batch, sent as one data-batch message when the next would overflow it (bytes or
-``MAX_BATCH_ENTRIES``), at a chunk's end and before done. The data stream plane
+``MAX_BATCH_ENTRIES``), at a chunk's end and before done. Each message is held back until the
+next one is ready, so that a room's last one and its ``done`` go as one data-done message (a
+rank-room then ends with one message, not two). The data stream plane
 (:mod:`.stream`) frames the very same messages, so it inherits all of this and replaces only
 ``_emit``.
 
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ...protocol.messages import MAX_BATCH_ENTRIES, Data, DataBatch, Done, encode
+from ...protocol.messages import MAX_BATCH_ENTRIES, Data, DataBatch, DataDone, Done, encode
 from ...protocol.room import runs
 from ...types import KIND_LABELS, Kind, PlaneName
 from .receiving import PayloadReceiver
@@ -60,17 +62,32 @@ class ZmqSender:
                         await self._send(tx, kind, b, base + p, count, row)
 
     async def end_chunk(self, tx: RoomTx) -> None:
+        await self._emit_batch(tx)
+        held, tx.held = tx.held, []
+        if held and not tx.room.stopped:
+            await self._send_pieces(tx, held)
+
+    async def send_done(self, tx: RoomTx, done: Done) -> None:
+        room = tx.room
+        await self._emit_batch(tx)
+        if room.stopped:
+            return
+        room.handed = True
+        held, tx.held = tx.held, []
+        if held:  # the last data and the done: one data-done message
+            await self._send_pieces(tx, held, done)
+        else:
+            await self._emit(tx, encode(done))
+
+    async def _emit_batch(self, tx: RoomTx) -> None:
         pieces, tx.batch, tx.batch_bytes = tx.batch, [], 0
         if pieces and not tx.room.stopped:
             await self._emit_pieces(tx, pieces)
 
-    async def send_done(self, tx: RoomTx, done: Done) -> None:
-        tx.room.handed = True
-        await self._emit(tx, encode(done))
-
     def discard(self, tx: RoomTx) -> None:
         tx.batch.clear()  # entries not sent: nothing of a stopped room leaves any more
         tx.batch_bytes = 0
+        tx.held.clear()
 
     def close(self) -> None:
         pass  # the socket belongs to the connection
@@ -102,7 +119,7 @@ class ZmqSender:
             if piece is not None:
                 await self._emit_pieces(tx, [piece])
             return
-        await self.end_chunk(tx)  # the batch is full: send it, then this entry starts the next
+        await self._emit_batch(tx)  # the batch is full: send it (held back), then this entry starts the next
         if not room.stopped:
             self._join(tx, kind, buffer, pos, count, src_row)
 
@@ -126,8 +143,19 @@ class ZmqSender:
         return Data(tx.tok, kind, buffer, pos, count, csum), payload, copied
 
     async def _emit_pieces(self, tx: RoomTx, pieces: list[Piece]) -> None:
+        """One message's entries: held back until the next message is ready (then sent first),
+        so that the room's last one can carry its ``done`` (``send_done``); ``end_chunk`` sends
+        it otherwise."""
+        held, tx.held = tx.held, pieces
+        if held:
+            await self._send_pieces(tx, held)
+
+    async def _send_pieces(self, tx: RoomTx, pieces: list[Piece], done: Done | None = None) -> None:
         entries = tuple(d for d, _, _ in pieces)
-        header = encode(entries[0] if len(entries) == 1 else DataBatch(tx.tok, entries))
+        if done is not None:
+            header = encode(DataDone(tx.tok, entries, done))
+        else:
+            header = encode(entries[0] if len(entries) == 1 else DataBatch(tx.tok, entries))
         # rows of the pool go out with no reference kept (zerocopy.py); a fault's corrupted copy
         # (and every payload where libzmq is not reachable) as pyzmq frames — memoryviews, not
         # ndarrays: pyzmq formats repr() of what it queues (~30 µs for an array)
