@@ -1,5 +1,5 @@
 """The data-stream wire (docs/PROTOCOL.md §2.1): a plain TCP connection per sender and
-receiver that carries data, data-batch and done messages past ZeroMQ.
+receiver that carries data, data-batch, data-done and done messages past ZeroMQ.
 
 The sender opens it with the hello (``b"TDSTREAM"`` and the 16-byte key the receiver offered
 in ``registered``), then writes records::

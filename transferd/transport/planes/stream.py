@@ -1,4 +1,4 @@
-"""The data-stream plane: the ZeroMQ plane's data, data-batch and done messages as records on
+"""The data-stream plane: the ZeroMQ plane's data, data-batch, data-done and done messages as records on
 a plain TCP connection to the receiver (docs/PROTOCOL.md §2.1; the wire is
 :mod:`transferd.protocol.stream`, the socket :class:`~transferd.transport.data_stream.StreamWriter`).
 
