@@ -108,7 +108,6 @@ class StreamReceiver(PayloadReceiver):
         """A record's header has arrived: check it and say where its payload goes (an empty
         target drops the payload)."""
         drop = Target([])
-        core = sink.core
         try:
             msg = decode_header(header)
         except TransferdError as exc:
@@ -118,7 +117,7 @@ class StreamReceiver(PayloadReceiver):
             if payload_len:
                 sink.refuse("malformed", f"done record with a {payload_len}-byte payload", peer.ident)
             else:
-                core.done(peer, msg, now)
+                sink.done(peer, msg, now)  # as every done: the data path's one way in
             return drop
         if not isinstance(msg, (Data, DataBatch, DataDone)):
             sink.refuse("unexpected_type", f"{type(msg).__name__} on a data stream (data, data-batch, data-done "
